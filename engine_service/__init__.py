@@ -1,0 +1,8 @@
+"""Pagoda engine: paged-KV continuous-batching generation, offline `LLM` API and the engine service."""
+from engine_service.config import EngineConfig
+from engine_service.llm import LLM
+from engine_service.llm_engine import LLMEngine
+from engine_service.outputs import CompletionOutput, Logprob, RequestOutput
+from engine_service.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

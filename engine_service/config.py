@@ -1,0 +1,109 @@
+"""Engine configuration: one validated object, vLLM's option names."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """Options of one engine, with vLLM's names and meanings.
+
+    ``__post_init__`` checks ranges; ``finalize`` clamps the limits that depend on the model
+    (``max_model_len`` to its positions, the KV block count from the byte budget) so that nothing
+    downstream re-validates.
+    """
+
+    model: str | None = None  # None / "bundled", a HF directory or a .gguf file
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    # CPU KV budget in bytes (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE); GPUs use gpu_memory_utilization.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap": KV copied to host memory and back
+    swap_space_bytes: int = 1 << 30
+    seed: int = 0
+    device: str = "cpu"
+    attention_backend: str = "auto"  # "torch" | "triton" | "auto"
+    enforce_eager: bool = True
+
+    # Derived by finalize().
+    num_kv_blocks: int = 0
+    num_swap_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.attention_backend not in ("torch", "triton", "auto"):
+            raise ValueError(
+                f"attention_backend must be 'torch', 'triton' or 'auto', got {self.attention_backend!r}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def finalize(self, max_position_embeddings: int, kv_bytes_per_block: int) -> None:
+        """Clamp model-dependent limits and size the KV pool; raise if one sequence cannot fit."""
+        if self.max_model_len is None:
+            self.max_model_len = max_position_embeddings
+        elif self.max_model_len > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({max_position_embeddings})"
+            )
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (
+                max(2048, self.max_num_seqs) if self.enable_chunked_prefill
+                else max(self.max_model_len, self.max_num_seqs)
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when enable_chunked_prefill is False"
+            )
+        if self.num_gpu_blocks_override is not None:
+            self.num_kv_blocks = self.num_gpu_blocks_override
+        else:
+            budget = self.kv_cache_memory_bytes
+            if budget is None:
+                budget = 4 << 30 if self.device == "cpu" else self._gpu_kv_budget()
+            self.num_kv_blocks = budget // kv_bytes_per_block
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if self.num_kv_blocks < blocks_per_seq:
+            raise ValueError(
+                f"KV cache too small: {self.num_kv_blocks} blocks of {self.block_size} tokens hold fewer "
+                f"than one max_model_len={self.max_model_len} sequence, which needs {blocks_per_seq} "
+                f"blocks = {blocks_per_seq * kv_bytes_per_block} bytes; raise kv_cache_memory_bytes "
+                f"or lower max_model_len"
+            )
+        self.num_swap_blocks = self.swap_space_bytes // kv_bytes_per_block if self.preemption_mode == "swap" else 0
+
+    def _gpu_kv_budget(self) -> int:
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        return max(0, int(total * self.gpu_memory_utilization) - used)

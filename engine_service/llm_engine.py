@@ -1,0 +1,264 @@
+"""The step-level engine: ``add_request`` / ``abort_request`` / ``step``.
+
+One ``step()`` schedules a batch, runs one forward, samples, detokenizes, applies stop
+conditions and returns a ``RequestOutput`` for every request that advanced. The offline ``LLM``
+and the gRPC engine service both drive exactly this loop; the engine is not thread-safe, its
+caller owns it from one thread.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+
+from engine_service.config import EngineConfig
+from engine_service.detokenizer import IncrementalDetokenizer
+from engine_service.model_loader import (generation_eos_token_ids, iterate_weights, load_config,
+                                         load_tokenizer, resolve_model_dir)
+from engine_service.model_runner import ModelRunner, kv_bytes_per_block
+from engine_service.outputs import CompletionOutput, Logprob, RequestOutput
+from engine_service.sampler import SamplerOutput, make_generator
+from engine_service.sampling_params import SamplingParams
+from engine_service.scheduler import Scheduler
+from engine_service.sequence import Request, RequestMetrics, Sequence, SequenceStatus
+
+logger = logging.getLogger("pagoda.engine")
+
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    """Holds the model, tokenizer, scheduler and request table of one engine."""
+
+    def __init__(self, config: EngineConfig):
+        t0 = time.perf_counter()
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_config = load_config(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = generation_eos_token_ids(self.model_dir, self.tokenizer)
+        config.finalize(self.model_config.max_position_embeddings,
+                        kv_bytes_per_block(self.model_config, config))
+        self.vocab_size = self.model_config.vocab_size
+        self.runner = ModelRunner(config, self.model_config, iterate_weights(self.model_dir), self.eos_token_ids)
+        self.scheduler = Scheduler(config)
+        self.requests: dict[str, Request] = {}
+        self._child_seeds = itertools.count(1)
+        max_concurrency = config.num_kv_blocks * config.block_size / config.max_model_len
+        logger.info(
+            "engine ready in %.1f s: model %s (%s), dtype %s, %d KV blocks of %d tokens (%d tokens); "
+            "maximum concurrency for %d tokens per request: %.2fx",
+            time.perf_counter() - t0, self.model_dir, self.model_config.model_type, config.dtype,
+            config.num_kv_blocks, config.block_size, config.num_kv_blocks * config.block_size,
+            config.max_model_len, max_concurrency)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Accepts a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict must have a 'prompt' or 'prompt_token_ids' key")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: it must have at least 1 token")
+        if n >= self.config.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, but max_model_len is {self.config.max_model_len}: "
+                             f"the prompt must be at most {self.config.max_model_len - 1} tokens")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> Request:
+        """Queue a request. Raises ValueError (and queues nothing) when it is invalid."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = (params or SamplingParams()).clone()
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids)
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids contains {bad_stop[0]}, outside the vocabulary [0, {self.vocab_size})")
+        room = self.config.max_model_len - len(token_ids)
+        params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
+        request = Request(request_id, text, token_ids, params,
+                          RequestMetrics(arrival_time if arrival_time is not None else time.time()), priority)
+        seq = self._new_sequence(request, 0, list(token_ids))
+        seq.num_pending_forks = params.n - 1
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        return request
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        params = request.params
+        generator = None
+        if params.seed is not None:
+            generator = make_generator(params.seed + index)
+        seq = Sequence(request, index, token_ids, generator)
+        if params.detokenize:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+        request.seqs.append(seq)
+        return seq
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort requests now: their KV blocks are free when this returns."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for rid in request_ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                seq.num_pending_forks = 0
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            request.metrics.finished_time = time.time()
+            outputs.append(self._make_output(request, set()))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        now = time.time()
+        forks: dict[int, list[Sequence]] = {}
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            metrics = seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+            if seq.num_pending_forks and seq.num_computed_tokens + n == seq.num_tokens:
+                forks[seq.seq_id] = self._fork(seq, seq.num_computed_tokens + n)
+        sampled, sampler_out = self.runner.execute(out, forks)
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            seq.num_computed_tokens += n
+        if sampler_out is None:
+            return []
+        return self._process(sampled, sampler_out)
+
+    def _fork(self, parent: Sequence, num_computed: int) -> list[Sequence]:
+        children = []
+        for _ in range(parent.num_pending_forks):
+            child = self._new_sequence(parent.request, len(parent.request.seqs), list(parent.token_ids))
+            self.scheduler.fork(parent, child)
+            child.num_computed_tokens = num_computed
+            children.append(child)
+        parent.num_pending_forks = 0
+        return children
+
+    def _process(self, sampled: list[Sequence], so: SamplerOutput) -> list[RequestOutput]:
+        now = time.time()
+        token_ids = so.sampled_token_ids.tolist()
+        logprob_rows = self._logprob_rows(sampled, so, token_ids)
+        touched: dict[str, set[int]] = {}
+        for row, (seq, token) in enumerate(zip(sampled, token_ids)):
+            request = seq.request
+            seq.token_ids.append(token)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if logprob_rows is not None and seq.logprobs is not None:
+                seq.cumulative_logprob += logprob_rows[row][0]
+                seq.logprobs.append(logprob_rows[row][1])
+            status = self._check_stop(seq, token)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+            touched.setdefault(request.request_id, set()).add(seq.seq_id)
+        outputs = []
+        for rid, seq_ids in touched.items():
+            request = self.requests[rid]
+            if request.is_finished:
+                request.metrics.finished_time = now
+                del self.requests[rid]
+            outputs.append(self._make_output(request, seq_ids))
+        return outputs
+
+    def _logprob_rows(self, sampled: list[Sequence], so: SamplerOutput, token_ids: list[int]):
+        """Per row: (sampled token's logprob, {token id: Logprob} with the top-k and the sampled token)."""
+        if so.sampled_logprobs is None:
+            return None
+        lps = so.sampled_logprobs.tolist()
+        top_ids = so.topk_token_ids.tolist() if so.topk_token_ids is not None else None
+        top_lps = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
+        rows = []
+        for row, seq in enumerate(sampled):
+            k = seq.params.logprobs
+            if k is None:
+                rows.append(None)
+                continue
+            entry = {}
+            if k and top_ids is not None:
+                for rank, (tid, lp) in enumerate(zip(top_ids[row][:k], top_lps[row][:k]), start=1):
+                    entry[tid] = Logprob(lp, rank)
+            entry.setdefault(token_ids[row], Logprob(lps[row]))
+            rows.append((lps[row], entry))
+        return rows
+
+    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        params = seq.params
+        if seq.detokenizer is not None:
+            stop_str = seq.detokenizer.update([token])
+        else:
+            stop_str = None
+        n_out = seq.num_output_tokens
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
+                return SequenceStatus.FINISHED_STOPPED
+            if stop_str is not None:
+                seq.stop_reason = stop_str
+                return SequenceStatus.FINISHED_STOPPED
+        if n_out >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _make_output(self, request: Request, stepped: set[int]) -> RequestOutput:
+        completions = []
+        for seq in sorted(request.seqs, key=lambda s: s.index):
+            finished = seq.is_finished
+            det = seq.detokenizer
+            delta_text = det.get_delta(finished) if det is not None else ""
+            new = 1 if seq.seq_id in stepped else 0
+            out_ids = seq.token_ids[seq.num_prompt_tokens:]
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=det.output_text if det is not None else "",
+                token_ids=out_ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=seq.logprobs,
+                finish_reason=seq.status.finish_reason,
+                stop_reason=seq.stop_reason,
+                delta_text=delta_text,
+                delta_token_ids=out_ids[len(out_ids) - new:] if new else [],
+                delta_logprobs=seq.logprobs[-new:] if (new and seq.logprobs) else None,
+            ))
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=request.is_finished,
+            metrics=request.metrics,
+            num_cached_tokens=request.seqs[0].num_cached_tokens if request.seqs else 0,
+        )

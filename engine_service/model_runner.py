@@ -1,0 +1,152 @@
+"""Model runner: turns a ``SchedulerOutput`` into one forward pass and samples the next tokens.
+
+Per step it builds the flattened batch (token ids, positions, slot mapping, block tables) with
+vectorised ops, applies the step's KV block copies and swaps, runs the model once, computes
+logits only for the sequences that complete their pending tokens, and samples them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from engine_service.config import EngineConfig
+from engine_service.models.llama import LlamaForCausalLM
+from engine_service.sampler import Sampler, SamplerOutput, SamplingBatch
+from engine_service.scheduler import SchedulerOutput
+from engine_service.sequence import Sequence
+from pagoda_kernels.attention import AttentionMetadata, get_attention_backend
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(model_config, config: EngineConfig) -> int:
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    elem = torch.empty((), dtype=config.torch_dtype).element_size()
+    return 2 * model_config.num_hidden_layers * config.block_size * model_config.num_key_value_heads * head_dim * elem
+
+
+class ModelRunner:
+    """Owns the model, the paged KV cache, the attention backend and the sampler."""
+
+    def __init__(self, config: EngineConfig, model_config, weights, eos_token_ids: set[int]):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        t0 = time.perf_counter()
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(model_config, config.max_model_len)
+        self.model.load_weights(weights)
+        self.model.to(self.dtype)
+        self.model.rope_cos, self.model.rope_sin = self.model.rope_cos.float(), self.model.rope_sin.float()
+        self.model.eval().requires_grad_(False)
+        logger.info("model loaded in %.2f s", time.perf_counter() - t0)
+        self.vocab_size = model_config.vocab_size
+        self.attn = get_attention_backend(config.attention_backend, self.device)
+        head_dim = self.model.layers[0].self_attn.head_dim
+        shape = (model_config.num_hidden_layers, 2, config.num_kv_blocks, config.block_size,
+                 model_config.num_key_value_heads, head_dim)
+        # torch.empty: pages are committed on first write, so a large budget costs nothing up front.
+        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
+        self.swap_cache = (torch.empty((*shape[:2], config.num_swap_blocks, *shape[3:]), dtype=self.dtype)
+                           if config.num_swap_blocks else None)
+        self.sampler = Sampler(self.vocab_size, eos_token_ids)
+
+    # ---- block movement -----------------------------------------------------------------------
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        if out.blocks_to_swap_out:
+            dev, host = (torch.tensor(x) for x in zip(*out.blocks_to_swap_out))
+            self.swap_cache[:, :, host] = self.kv_cache[:, :, dev].to(self.swap_cache.device)
+        if out.blocks_to_swap_in:
+            host, dev = (torch.tensor(x) for x in zip(*out.blocks_to_swap_in))
+            self.kv_cache[:, :, dev] = self.swap_cache[:, :, host].to(self.device)
+        if out.blocks_to_copy:
+            src, dst = (torch.tensor(x) for x in zip(*out.blocks_to_copy))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, forks: dict[int, list[Sequence]]) -> tuple[list[Sequence], SamplerOutput | None]:
+        """Run one step. Returns the sequences that got a new token (in row order) and the
+        sampler's output. ``forks`` maps a parent seq_id to the children that sample from the
+        parent's logits row this step (``n > 1``)."""
+        self._move_blocks(out)
+        if not out.seqs:
+            return [], None
+        # Decodes (one query token) first, then prefill chunks.
+        order = sorted(range(len(out.seqs)), key=lambda i: out.num_new_tokens[i] > 1)
+        seqs = [out.seqs[i] for i in order]
+        num_new = [out.num_new_tokens[i] for i in order]
+        starts = [s.num_computed_tokens for s in seqs]
+        num_decodes = sum(1 for n in num_new if n == 1)
+
+        input_ids: list[int] = [s.token_ids[st] for s, st in zip(seqs[:num_decodes], starts)]
+        for s, st, n in zip(seqs[num_decodes:], starts[num_decodes:], num_new[num_decodes:]):
+            input_ids.extend(s.token_ids[st:st + n])
+
+        b = len(seqs)
+        num_new_t = torch.tensor(num_new)
+        starts_t = torch.tensor(starts)
+        seq_lens_t = starts_t + num_new_t
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((b, max_blocks), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        block_tables = torch.from_numpy(tables)
+
+        t = len(input_ids)
+        cu = torch.zeros(b + 1, dtype=torch.int64)
+        torch.cumsum(num_new_t, 0, out=cu[1:])
+        seq_idx = torch.repeat_interleave(torch.arange(b), num_new_t)
+        positions = starts_t[seq_idx] + torch.arange(t) - cu[seq_idx]
+        bs = self.block_size
+        slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+
+        bd = num_decodes
+        dec_lens = seq_lens_t[:bd]
+        pre_lens = seq_lens_t[bd:]
+        max_dec = int(dec_lens.max()) if bd else 0
+        max_pre = int(pre_lens.max()) if b > bd else 0
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=bd,
+            decode_block_tables=block_tables[:bd, :-(-max_dec // bs)].contiguous(),
+            decode_seq_lens=dec_lens.to(torch.int32),
+            num_prefills=b - bd,
+            prefill_query_lens=num_new_t[bd:],
+            prefill_seq_lens=pre_lens,
+            prefill_block_tables=block_tables[bd:, :-(-max_pre // bs)].contiguous(),
+            max_prefill_query_len=max(num_new[bd:], default=0),
+            max_prefill_seq_len=max_pre,
+            max_decode_seq_len=max_dec,
+        )
+        self.attn.prepare(meta, bs)
+
+        hidden = self.model(torch.tensor(input_ids, device=self.device), positions.to(self.device),
+                            self.kv_caches, meta, self.attn)
+
+        # Only sequences whose pending tokens are now all computed sample a token.
+        rows, sampled = [], []
+        for i, s in enumerate(seqs):
+            if starts[i] + num_new[i] == s.num_tokens:
+                last = int(cu[i + 1]) - 1
+                for target in (s, *forks.get(s.seq_id, ())):
+                    rows.append(last)
+                    sampled.append(target)
+        if not rows:
+            return [], None
+        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
+        batch = SamplingBatch(
+            params=[s.params for s in sampled],
+            prompt_token_ids=[s.request.prompt_token_ids for s in sampled],
+            output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in sampled],
+            generators=[s.generator for s in sampled],
+        )
+        return sampled, self.sampler(logits, batch)

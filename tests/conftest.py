@@ -1,0 +1,40 @@
+"""Shared fixtures: the bundled model's converted directory and a tiny random-weight Llama."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def bundled_dir() -> str:
+    """The bundled SmolLM2-135M-Instruct as a HF directory (converted once, then cached)."""
+    from engine_service.model_loader import resolve_model_dir
+
+    return resolve_model_dir("bundled")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, bundled_dir) -> str:
+    """A 2-layer random-weight Llama with GQA and the bundled tokenizer: fast engine tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # Larger-than-default weights give peaked, non-degenerate distributions (fewer greedy ties).
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    for name in os.listdir(bundled_dir):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(bundled_dir, name), path / name)
+    return str(path)

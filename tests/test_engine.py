@@ -1,0 +1,220 @@
+"""Engine tests on a tiny random-weight Llama: greedy output equals transformers' however the
+batch is scheduled (chunked, preempted, swapped, prefix-cached, forked), plus the request API."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_service import LLM, EngineConfig, LLMEngine, SamplingParams
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy decoding, one prompt at a time, with its own KV cache."""
+    ids = torch.tensor([prompt_ids])
+    out = []
+    past = None
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            res = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            nxt = int(res.logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.tensor([[nxt]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    shared = [rng.randrange(100, 40000) for _ in range(37)]
+    ps = [[rng.randrange(100, 40000) for _ in range(rng.randint(1, 90))] for _ in range(10)]
+    # Shared prefixes exercise the prefix cache (37 = 2 full blocks of 16 + a partial one).
+    ps += [shared + [rng.randrange(100, 40000) for _ in range(rng.randint(0, 20))] for _ in range(4)]
+    return ps
+
+
+@pytest.fixture(scope="module")
+def reference(hf_tiny, prompts) -> list[list[int]]:
+    return [hf_greedy(hf_tiny, p, 24) for p in prompts]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+SCHEDULES = {
+    "default": {},
+    "chunked-prefill": {"max_num_batched_tokens": 24},
+    "preempt-recompute": {"num_gpu_blocks_override": 14, "max_model_len": 128, "max_num_batched_tokens": 48},
+    "preempt-swap": {"num_gpu_blocks_override": 14, "max_model_len": 128, "preemption_mode": "swap",
+                     "max_num_batched_tokens": 48},
+    "no-prefix-cache": {"enable_prefix_caching": False, "max_num_seqs": 3},
+    "block-size-32": {"block_size": 32},
+}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_greedy_matches_transformers(tiny_llama_dir, prompts, reference, schedule):
+    llm = LLM(tiny_llama_dir, dtype="float32", **SCHEDULES[schedule])
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outputs, reference)):
+        assert out.outputs[0].token_ids == ref, f"prompt {i} diverged under schedule {schedule}"
+        assert out.outputs[0].finish_reason == "length"
+    sched = llm.llm_engine.scheduler
+    if schedule.startswith("preempt"):
+        assert sched.num_preemptions > 0, "the KV budget was meant to force preemption"
+    if schedule == "default":
+        assert sum(o.num_cached_tokens for o in outputs) > 0, "shared prefixes should hit the prefix cache"
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks, "blocks leaked"
+
+
+def test_n_greedy_forks_share_the_prompt_and_match(tiny_llama_dir, prompts, reference):
+    """n > 1 forks after the prefill and copies the shared partial block on write: every greedy
+    completion must still equal the single-sequence reference."""
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
+    for out, ref in zip(outputs, reference[:4]):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        for c in out.outputs:
+            assert c.token_ids == ref
+    bm = llm.llm_engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_llama_dir, prompts):
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([{"prompt_token_ids": prompts[0]}], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = [{"prompt_token_ids": p} for p in prompts[1:6]]
+    others = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    mixed = llm.generate(crowd[:2] + [{"prompt_token_ids": prompts[0]}] + crowd[2:],
+                         [others, others, seeded, others, others, others], use_tqdm=False)
+    assert mixed[2].outputs[0].token_ids == alone
+    n2 = llm.generate([{"prompt_token_ids": prompts[0]}],
+                      SamplingParams(n=2, temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True),
+                      use_tqdm=False)[0]
+    assert n2.outputs[0].token_ids == alone
+    assert n2.outputs[1].token_ids != alone, "forked samples of a seeded request must differ"
+
+
+def test_stop_conditions(tiny_llama_dir, prompts, reference):
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    prompt, ref = {"prompt_token_ids": prompts[0]}, reference[0]
+    tok = llm.get_tokenizer()
+    # stop_token_ids: stops on (and keeps) the first occurrence of the token.
+    stop_tok = ref[5]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_tok]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref[:ref.index(stop_tok) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    # min_tokens: the stop token is masked until min_tokens are out.
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, min_tokens=24,
+                                              stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 24 and out.finish_reason == "length"
+    # Stop strings cut the text exactly, and are left out unless asked for.
+    full = tok.decode(ref, skip_special_tokens=True)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    cut = full.index(stop)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.text == full[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                              include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert out.text == full[:cut + len(stop)]
+    # EOS ends a sequence unless ignore_eos.
+    eos = sorted(llm.llm_engine.eos_token_ids)[0]
+    engine = llm.llm_engine
+    engine.eos_token_ids.add(ref[3])
+    try:
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == ref[:ref.index(ref[3]) + 1] and out.finish_reason == "stop"
+    finally:
+        engine.eos_token_ids.discard(ref[3])
+    assert eos in engine.eos_token_ids
+
+
+def test_step_api_streams_deltas_and_abort_frees_blocks(tiny_llama_dir, prompts, reference):
+    engine = LLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32"))
+    tok = engine.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", prompts[i], params)
+    streamed = {f"r{i}": ([], "") for i in range(4)}
+    steps = 0
+    final = {}
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            ids, text = streamed[out.request_id]
+            c = out.outputs[0]
+            streamed[out.request_id] = (ids + c.delta_token_ids, text + c.delta_text)
+            if out.finished:
+                final[out.request_id] = out
+        if steps == 5:
+            aborted = engine.abort_request("r3")
+            assert aborted[0].outputs[0].finish_reason == "abort"
+    for i in range(3):
+        ids, text = streamed[f"r{i}"]
+        assert ids == reference[i] == final[f"r{i}"].outputs[0].token_ids
+        assert text == final[f"r{i}"].outputs[0].text == tok.decode(reference[i], skip_special_tokens=True)
+    assert "r3" not in final
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_bad_requests_fail_alone(tiny_llama_dir, prompts, reference):
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=200)
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("e", [], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len is 200"):
+        engine.add_request("long", [5] * 200, GREEDY)
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 49152\)"):
+        engine.add_request("oov", [1, 2, 49152], GREEDY)
+    assert not engine.has_unfinished_requests()
+    batch = [{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": [7] * 500}, {"prompt_token_ids": prompts[1]}, ""]
+    outputs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == reference[0]
+    assert outputs[2].outputs[0].token_ids == reference[1]
+    assert outputs[1].error and "max_model_len" in outputs[1].error and not outputs[1].outputs
+    assert outputs[3].error and "empty" in outputs[3].error
+
+
+def test_kv_budget_too_small_fails_at_startup(tiny_llama_dir):
+    with pytest.raises(ValueError, match="KV cache too small.*needs 64 blocks"):
+        LLM(tiny_llama_dir, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=10_000)
+
+
+def test_logprobs_match_transformers(tiny_llama_dir, hf_tiny, prompts, reference):
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    out = llm.generate({"prompt_token_ids": prompts[2]},
+                       SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    ids = torch.tensor([prompts[2] + out.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(hf_tiny(ids).logits[0].float(), -1)
+    n = len(prompts[2])
+    total = 0.0
+    for j, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        ref = logp[n - 1 + j]
+        top = torch.topk(ref, 3)
+        assert [t for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank or 99)][:3] == top.indices.tolist()
+        assert entry[tok].logprob == pytest.approx(float(ref[tok]), abs=1e-4)
+        total += entry[tok].logprob
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-5)
+
+
+def test_importing_pagoda_kernels_does_not_confuse_transformers():
+    import pagoda_kernels  # noqa: F401
+    from transformers.utils import import_utils
+
+    import_utils.is_kernels_available.cache_clear()
+    assert not import_utils.is_kernels_available(), "transformers mistook Pagoda's kernels for HF's `kernels`"
