@@ -1,0 +1,232 @@
+"""Batched token sampler: penalties, min_tokens, temperature, min_p / top_k / top_p, logprobs.
+
+Semantics follow vLLM V1's sampler. Every stage works on whole [rows, vocab] tensors and is
+skipped when no row needs it; the only per-row Python work is building small parameter tensors
+and drawing the random numbers of seeded rows from their own generators.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from engine_service.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingBatch:
+    """One row per sequence that samples a token this step."""
+
+    params: list[SamplingParams]
+    prompt_token_ids: list[list[int]]  # per row: the prompt (for repetition_penalty)
+    output_token_ids: list[list[int]]  # per row: tokens generated so far (penalties, min_tokens)
+    generators: list[torch.Generator | None]  # per row: a generator for seeded rows, None otherwise
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled token of each row and, when any row asked for them, its logprobs.
+
+    Logprobs are of the raw model logits (before penalties and temperature), as vLLM V1 returns
+    by default. They are computed for every row once any row asks; rows that asked for fewer
+    than K top logprobs use a prefix of ``topk_*`` (K may be 0: then ``topk_*`` are [B, 0]).
+    """
+
+    sampled_token_ids: torch.Tensor  # [B] int64
+    sampled_logprobs: torch.Tensor | None  # [B] float32 (None when no row asked for logprobs)
+    topk_token_ids: torch.Tensor | None  # [B, K] int64, K = max logprobs asked in the batch
+    topk_logprobs: torch.Tensor | None  # [B, K] float32
+
+
+def make_generator(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed``; keep one per sequence across steps."""
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+class Sampler:
+    """Samples one token per row from ``logits`` [B, >= vocab_size] for a ``SamplingBatch``.
+
+    Columns beyond ``vocab_size`` (padding) are ignored. The input logits are never modified.
+    ``eos_token_ids`` are masked, together with each row's stop token ids, while a row has fewer
+    than ``min_tokens`` output tokens.
+    """
+
+    def __init__(self, vocab_size: int, eos_token_ids: set[int]):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = set(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits[:, : self.vocab_size]
+        params = batch.params
+        num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        penalized = [i for i, p in enumerate(params) if _has_penalties(p)]
+        min_tokens_rows = [
+            i for i, p in enumerate(params) if len(batch.output_token_ids[i]) < p.min_tokens
+        ]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not (random_rows or penalized or min_tokens_rows or num_logprobs):
+            return SamplerOutput(logits.argmax(-1), None, None, None)
+
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(-1) if num_logprobs else None
+        if penalized:
+            logits = self._apply_penalties(logits, batch, penalized)
+        if min_tokens_rows:
+            logits = self._mask_stop_tokens(logits, batch, min_tokens_rows)
+
+        if len(random_rows) == len(params):
+            sampled = self._sample_random(logits, params, batch.generators)
+        else:
+            # Greedy rows take the argmax after penalties but before temperature etc., as in vLLM.
+            sampled = logits.argmax(-1)
+            if random_rows:
+                idx = torch.tensor(random_rows, device=logits.device)
+                random_sampled = self._sample_random(
+                    logits[idx],
+                    [params[i] for i in random_rows],
+                    [batch.generators[i] for i in random_rows],
+                )
+                sampled = sampled.index_copy(0, idx, random_sampled)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+        topk_logprobs, topk_ids = raw_logprobs.topk(min(max(num_logprobs), self.vocab_size), dim=-1)
+        return SamplerOutput(sampled, sampled_logprobs, topk_ids, topk_logprobs)
+
+    def _apply_penalties(
+        self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]
+    ) -> torch.Tensor:
+        """Repetition penalty over prompt + output tokens, presence/frequency over output only."""
+        device = logits.device
+        idx = torch.tensor(rows, device=device)
+        params = [batch.params[i] for i in rows]
+        sub = logits[idx]
+        output_counts = self._token_counts([batch.output_token_ids[i] for i in rows], device)
+        repetition = [p.repetition_penalty for p in params]
+        if any(r != 1.0 for r in repetition):
+            prompt_counts = self._token_counts([batch.prompt_token_ids[i] for i in rows], device)
+            seen = (prompt_counts + output_counts) > 0
+            rep = torch.tensor(repetition, device=device).unsqueeze(1)
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+        presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+        sub = sub - frequency * output_counts - presence * (output_counts > 0)
+        return logits.index_copy(0, idx, sub)
+
+    def _token_counts(self, token_ids: list[list[int]], device: torch.device) -> torch.Tensor:
+        """[rows, vocab_size] float32 count of each token id in each row's list."""
+        vocab_size = self.vocab_size
+        lengths = torch.tensor([len(t) for t in token_ids], device=device)
+        # clamp: an out-of-range id lands in a spare column that is dropped (no sync, no overflow
+        # into the next row).
+        flat = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long, device=device)
+        flat = flat.clamp(0, vocab_size)
+        row = torch.repeat_interleave(torch.arange(len(token_ids), device=device), lengths)
+        width = vocab_size + 1
+        counts = torch.bincount(row * width + flat, minlength=len(token_ids) * width)
+        return counts.view(len(token_ids), width)[:, :vocab_size].float()
+
+    def _mask_stop_tokens(
+        self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]
+    ) -> torch.Tensor:
+        """Forbid EOS and stop token ids in rows that have not yet reached min_tokens."""
+        row_ids: list[int] = []
+        col_ids: list[int] = []
+        for i in rows:
+            p = batch.params[i]
+            stop_ids = self.eos_token_ids | set(p.stop_token_ids) | p.all_stop_token_ids
+            stop_ids = [t for t in stop_ids if t < self.vocab_size]
+            row_ids += [i] * len(stop_ids)
+            col_ids += stop_ids
+        if not col_ids:
+            return logits
+        device = logits.device
+        index = (torch.tensor(row_ids, device=device), torch.tensor(col_ids, device=device))
+        return logits.index_put(index, torch.tensor(_NEG_INF, device=device))
+
+    def _sample_random(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Temperature, min_p, top_k, top_p, then one draw per row by the exponential race."""
+        device = logits.device
+        vocab_size = logits.shape[1]
+        temperature = [p.temperature for p in params]
+        if any(t != 1.0 for t in temperature):
+            logits = logits / torch.tensor(temperature, device=device).unsqueeze(1)
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            probs = logits.softmax(-1)
+            threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(-1, keepdim=True)
+            logits = logits.masked_fill(probs < threshold, _NEG_INF)
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        top_p = [p.top_p for p in params]
+        if any(p < 1.0 for p in top_p):
+            logits = _apply_top_k_top_p(logits, top_k, top_p)
+        elif any(k < vocab_size for k in top_k):
+            logits = _apply_top_k(logits, top_k)
+
+        probs = logits.softmax(-1)
+        # argmax(probs / q) with q ~ Exp(1) samples from probs (the exponential race) without a
+        # cumsum/searchsorted and with no device sync.
+        seeded = [i for i, g in enumerate(generators) if g is not None]
+        if len(seeded) == len(params):
+            q = self._seeded_exponentials(generators, seeded, vocab_size).to(device)
+        else:
+            q = torch.empty_like(probs).exponential_()
+            if seeded:
+                q[torch.tensor(seeded, device=device)] = self._seeded_exponentials(
+                    generators, seeded, vocab_size
+                ).to(device)
+        # exponential_ can return 0; 0/0 would be NaN, which argmax would pick.
+        q.clamp_min_(torch.finfo(torch.float32).tiny)
+        return probs.div_(q).argmax(-1)
+
+    @staticmethod
+    def _seeded_exponentials(
+        generators: list[torch.Generator | None], rows: list[int], vocab_size: int
+    ) -> torch.Tensor:
+        # Each seeded row draws its own [V] from its own generator, so its tokens depend only on
+        # its seed, not on the batch it shares or its row index.
+        return torch.stack(
+            [torch.empty(vocab_size, device="cpu").exponential_(generator=generators[i]) for i in rows]
+        )
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Keep each row's tokens >= its k-th largest logit (ties kept, as in vLLM); k = V: all."""
+    vocab_size = logits.shape[1]
+    device = logits.device
+    limited = [k < vocab_size for k in top_k]
+    # topk only up to the largest *limited* k, so one unlimited row does not force a full sort.
+    max_k = max(k for k, lim in zip(top_k, limited) if lim)
+    k = torch.tensor([k if lim else 1 for k, lim in zip(top_k, limited)], device=device)
+    kth = logits.topk(max_k, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    kth = kth.masked_fill(~torch.tensor(limited, device=device).unsqueeze(1), _NEG_INF)
+    return logits.masked_fill(logits < kth, _NEG_INF)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """top_k then top_p on one ascending sort; top_p keeps the smallest set with mass >= p."""
+    vocab_size = logits.shape[1]
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1)
+    if any(k < vocab_size for k in top_k):
+        k = torch.tensor(top_k, device=device)
+        kth = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    drop = cumulative <= 1.0 - torch.tensor(top_p, device=device).unsqueeze(1)
+    drop[:, -1] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
