@@ -11,6 +11,7 @@ KV cache layout, per layer: ``key_cache`` and ``value_cache`` of shape
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -64,20 +65,12 @@ class TorchAttention:
             key_pos = torch.arange(nb * block_size)
             cache["decode_mask"] = key_pos[None, :] < meta.decode_seq_lens[:, None].long()
         if meta.num_prefills:
-            nb = meta.prefill_block_tables.shape[1]
-            maxq = meta.max_prefill_query_len
-            qlens = meta.prefill_query_lens
-            # Position of each padded query row; rows past a sequence's chunk are padding.
-            start = (meta.prefill_seq_lens - qlens)[:, None]
-            q_pos = start + torch.arange(maxq)[None, :]
-            q_valid = torch.arange(maxq)[None, :] < qlens[:, None]
-            key_pos = torch.arange(nb * block_size)
-            # Causal over the whole context; padding rows see key 0 so softmax stays finite.
-            mask = key_pos[None, None, :] <= q_pos[:, :, None]
-            mask &= q_valid[:, :, None]
-            mask[:, :, 0] = True
-            cache["prefill_mask"] = mask[:, None]
-            cache["prefill_pad_index"] = q_valid.reshape(-1).nonzero().squeeze(1)
+            qlens = meta.prefill_query_lens.tolist()
+            seq_lens = meta.prefill_seq_lens.tolist()
+            cache["prefill_chunks"] = [
+                (q0, qlen, seq_len - qlen, seq_len, -(-seq_len // block_size))
+                for q0, qlen, seq_len in zip(itertools.accumulate([0] + qlens[:-1]), qlens, seq_lens)]
+            cache["prefill_masks"] = {}
         meta.cache = cache
 
     def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -93,26 +86,34 @@ class TorchAttention:
         probs = scores.softmax(-1).to(q.dtype)
         return torch.matmul(probs, v.transpose(1, 2)).view(bd, h, d)
 
-    def prefill(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [Tp, H, D] (the prefill chunks, back to back) -> [Tp, H, D]."""
-        tp, h, d = q.shape
-        bp, maxq = meta.num_prefills, meta.max_prefill_query_len
-        pad_index = meta.cache["prefill_pad_index"]
-        qp = q.new_zeros(bp * maxq, h, d)
-        qp.index_copy_(0, pad_index, q)
-        k = _gather(key_cache, meta.prefill_block_tables)
-        v = _gather(value_cache, meta.prefill_block_tables)
-        mask = meta.cache.get("prefill_bias")
-        if mask is None or mask.dtype != q.dtype:
-            # An additive mask keeps SDPA on its fused CPU kernel (a boolean one is 2-3x slower).
-            mask = torch.zeros(meta.cache["prefill_mask"].shape, dtype=q.dtype)
-            mask.masked_fill_(~meta.cache["prefill_mask"], float("-inf"))
-            meta.cache["prefill_bias"] = mask
-        out = F.scaled_dot_product_attention(
-            qp.view(bp, maxq, h, d).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2).reshape(bp * maxq, h, d).index_select(0, pad_index)
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [Tp, H, D], k/v [Tp, kv_heads, D]: the prefill chunks back to back -> [Tp, H, D].
+
+        One fused SDPA call per prefilling sequence (a step has few: they share the token budget).
+        A chunk with no earlier context attends to its own K/V with the causal kernel; a later
+        chunk or a prefix-cache hit reads its context through the block table with a
+        bottom-right-aligned causal mask (additive: a boolean mask is 2-3x slower on CPU).
+        """
+        out = torch.empty_like(q)
+        masks = meta.cache["prefill_masks"]
+        for i, (q0, qlen, start, seq_len, nb) in enumerate(meta.cache["prefill_chunks"]):
+            qi = q[q0:q0 + qlen].transpose(0, 1)[None]
+            if start == 0:
+                ki, vi = k[q0:q0 + qlen].transpose(0, 1)[None], v[q0:q0 + qlen].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                table = meta.prefill_block_tables[i:i + 1, :nb]
+                ki = _gather(key_cache, table)[:, :seq_len].transpose(1, 2)
+                vi = _gather(value_cache, table)[:, :seq_len].transpose(1, 2)
+                mask = masks.get((i, q.dtype))
+                if mask is None:
+                    visible = torch.arange(seq_len)[None, :] <= (start + torch.arange(qlen))[:, None]
+                    mask = torch.zeros(qlen, seq_len, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+                    masks[(i, q.dtype)] = mask
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[q0:q0 + qlen] = o[0].transpose(0, 1)
+        return out
 
 
 def get_attention_backend(name: str, device: torch.device):

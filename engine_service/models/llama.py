@@ -92,10 +92,10 @@ class LlamaAttention(nn.Module):
         if nd == t:
             out = attn.decode(q, key_cache, value_cache, meta, self.scale)
         elif nd == 0:
-            out = attn.prefill(q, key_cache, value_cache, meta, self.scale)
+            out = attn.prefill(q, k, v, key_cache, value_cache, meta, self.scale)
         else:
             out = torch.cat([attn.decode(q[:nd], key_cache, value_cache, meta, self.scale),
-                             attn.prefill(q[nd:], key_cache, value_cache, meta, self.scale)])
+                             attn.prefill(q[nd:], k[nd:], v[nd:], key_cache, value_cache, meta, self.scale)])
         return self.o_proj(out.reshape(t, self.q_size))
 
 
