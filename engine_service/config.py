@@ -33,7 +33,7 @@ class EngineConfig:
     swap_space_bytes: int = 1 << 30
     seed: int = 0
     device: str = "cpu"
-    attention_backend: str = "auto"  # "torch" | "triton" | "auto"
+    attention_backend: str = "auto"  # "cpu" | "torch" | "triton" | "auto"
     enforce_eager: bool = True
 
     # Derived by finalize().
@@ -58,10 +58,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.attention_backend not in ("torch", "triton", "auto"):
-            raise ValueError(
-                f"attention_backend must be 'torch', 'triton' or 'auto', got {self.attention_backend!r}"
-            )
+        if self.attention_backend not in ("cpu", "torch", "triton", "auto"):
+            raise ValueError(f"attention_backend must be 'cpu', 'torch', 'triton' or 'auto', "
+                             f"got {self.attention_backend!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -12,10 +12,13 @@ KV cache layout, per layer: ``key_cache`` and ``value_cache`` of shape
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -117,9 +120,18 @@ class TorchAttention:
 
 
 def get_attention_backend(name: str, device: torch.device):
-    """The attention implementation for ``name`` ("torch" | "triton" | "auto")."""
-    if name in ("torch", "auto") and device.type == "cpu":
+    """The attention implementation for ``name``: "cpu" (C++ paged kernels), "torch" (plain torch
+    ops, the reference), "triton", or "auto" (the fastest one available on ``device``)."""
+    if device.type == "cpu" and name in ("cpu", "auto"):
+        try:
+            from .cpu_attention import CpuAttention
+
+            return CpuAttention()
+        except Exception as e:  # no compiler or build failure: still serve, slower
+            if name == "cpu":
+                raise
+            logger.warning("C++ CPU attention unavailable (%s); using the torch implementation", e)
+            return TorchAttention()
+    if name == "torch":
         return TorchAttention()
-    if name == "auto":
-        name = "triton"
     raise ValueError(f"attention_backend {name!r} is not available on {device.type}")

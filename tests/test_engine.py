@@ -57,6 +57,7 @@ SCHEDULES = {
                      "max_num_batched_tokens": 48},
     "no-prefix-cache": {"enable_prefix_caching": False, "max_num_seqs": 3},
     "block-size-32": {"block_size": 32},
+    "torch-attention": {"attention_backend": "torch", "max_num_batched_tokens": 40},
 }
 
 

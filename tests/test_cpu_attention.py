@@ -1,0 +1,209 @@
+"""The C++ CPU paged decode-attention kernel against a float64 reference and against TorchAttention."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagoda_kernels.attention import AttentionMetadata, TorchAttention, write_kv
+from pagoda_kernels.cpu_attention import CpuAttention, load_extension, paged_decode_attention
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
+       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+@pytest.fixture(scope="module")
+def op():
+    return load_extension()
+
+
+def reference(q, key_cache, value_cache, block_tables, seq_lens, scale):
+    """Per sequence: gather its K/V rows through the block table, softmax(q k^T * scale) v in float64."""
+    b, h, d = q.shape
+    bs, kvh = key_cache.shape[1], key_cache.shape[2]
+    out = torch.empty(b, h, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(seq_lens[i])
+        if n == 0:
+            out[i] = 0
+            continue
+        pos = torch.arange(n)
+        blocks = block_tables[i].long()[pos // bs]
+        k = key_cache[blocks, pos % bs].double().permute(1, 2, 0)  # [kvh, d, n]
+        v = value_cache[blocks, pos % bs].double().transpose(0, 1)  # [kvh, n, d]
+        s = torch.matmul(q[i].double().view(kvh, h // kvh, d), k) * scale  # [kvh, g, n]
+        out[i] = torch.matmul(s.softmax(-1), v).reshape(h, d)
+    return out
+
+
+def make_inputs(seq_lens, h, kvh, d, bs, dtype, extra_blocks=7, poison=True, seed=0, q_scale=2.0,
+                table_pad=3):
+    """Random caches with each sequence's blocks scattered (shuffled physical ids). Everything the
+    kernel must not read — unused blocks, slots past a sequence's end, padded table entries — is
+    NaN when ``poison`` (else random), so a read outside a sequence shows up in the output."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    nblk = [(int(n) + bs - 1) // bs for n in seq_lens]
+    used = sum(nblk)
+    num_blocks = used + extra_blocks
+    perm = torch.randperm(num_blocks, generator=g)
+    max_blocks = max(nblk + [1]) + table_pad
+    fill = float("nan") if poison else 0.0
+    key_cache = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    unused = perm[used:]
+    block_tables = torch.empty(len(seq_lens), max_blocks, dtype=torch.int32)
+    block_tables[:] = unused[0] if poison else perm[0]  # padding entries point at a poisoned block
+    at = 0
+    for i, n in enumerate(nblk):
+        ids = perm[at:at + n]
+        at += n
+        block_tables[i, :n] = ids.int()
+        tail = int(seq_lens[i]) - (n - 1) * bs if n else 0
+        if poison and n and tail < bs:  # slots past the end of the last block
+            key_cache[ids[-1], tail:] = fill
+            value_cache[ids[-1], tail:] = fill
+    if poison:
+        key_cache[unused] = fill
+        value_cache[unused] = fill
+    q = (torch.randn(len(seq_lens), h, d, generator=g) * q_scale).to(dtype)
+    return q, key_cache, value_cache, block_tables, seq_lens
+
+
+def check(q, key_cache, value_cache, block_tables, seq_lens, scale, op=None, num_threads=None):
+    out = torch.full_like(q, float("nan"))
+    if op is None:
+        res = paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, out=out)
+        assert res is out
+    else:
+        op(q, key_cache, value_cache, block_tables, seq_lens, scale, out, num_threads)
+    ref = reference(q, key_cache, value_cache, block_tables, seq_lens, scale)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, **TOL[q.dtype])
+    return out
+
+
+LENS = [1, 15, 16, 17, 31, 33, 100, 257, 5, 64]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h,kvh", [(4, 4), (9, 3), (8, 2), (16, 1), (12, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_matches_reference(dtype, h, kvh, d, bs):
+    q, kc, vc, bt, sl = make_inputs(LENS, h, kvh, d, bs, dtype, seed=h * 1000 + d + bs)
+    check(q, kc, vc, bt, sl, 1 / math.sqrt(d))
+
+
+@pytest.mark.parametrize("d", [80, 96])
+def test_other_head_sizes(d):
+    for dtype in (torch.float32, torch.bfloat16):
+        q, kc, vc, bt, sl = make_inputs([1, 7, 40, 77], 6, 2, d, 16, dtype, seed=d)
+        check(q, kc, vc, bt, sl, 1 / math.sqrt(d))
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("lens", [[2000], [1500, 9], [700, 1100, 1], [3000, 10, 0, 20, 5, 257],
+                                  [40, 3000, 17, 9, 1, 33, 64, 100, 2]])
+def test_thread_counts_and_context_split(op, num_threads, lens):
+    """Few long sequences, or one long among short ones: long contexts are split into slices across
+    threads (flash-decoding) and merged."""
+    for dtype in (torch.float32, torch.bfloat16):
+        q, kc, vc, bt, sl = make_inputs(lens, 8, 2, 64, 16, dtype, seed=len(lens) + num_threads)
+        check(q, kc, vc, bt, sl, 0.125, op=op, num_threads=num_threads)
+
+
+def test_many_sequences(op):
+    """A larger batch of random lengths: the dynamic schedule over (sequence, kv head) items."""
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(1, 200, (70,), generator=g).tolist()
+    q, kc, vc, bt, sl = make_inputs(lens, 9, 3, 64, 16, torch.bfloat16, seed=11)
+    check(q, kc, vc, bt, sl, 0.125, op=op, num_threads=2)
+    check(q, kc, vc, bt, sl, 0.125, op=op, num_threads=1)
+
+
+def test_peaked_softmax():
+    """Large logits: the running max changes across tiles and blocks."""
+    q, kc, vc, bt, sl = make_inputs([300, 45, 1], 4, 2, 64, 16, torch.float32, seed=3, q_scale=30.0)
+    check(q, kc, vc, bt, sl, 0.125)
+
+
+def test_strided_caches_and_tables():
+    """Caches that are views of a larger tensor (per-layer slice, K and V interleaved) and a
+    block table that is a column slice of a wider one."""
+    dtype, bs, kvh, d, h = torch.bfloat16, 16, 2, 64, 6
+    q, kc, vc, bt, sl = make_inputs([50, 3, 130], h, kvh, d, bs, dtype, seed=9)
+    kv = torch.full((kc.shape[0], 2, bs, kvh, d), float("nan"), dtype=dtype)
+    kv[:, 0] = kc
+    kv[:, 1] = vc
+    wide = torch.full((bt.shape[0], bt.shape[1] + 5), -1, dtype=torch.int32)
+    wide[:, :bt.shape[1]] = bt
+    out = check(q, kv[:, 0], kv[:, 1], wide[:, :bt.shape[1]], sl, 0.125)
+    assert kv[:, 0].stride(0) == 2 * bs * kvh * d and out.shape == q.shape
+
+
+def test_empty_sequence_and_empty_batch():
+    q, kc, vc, bt, sl = make_inputs([0, 5], 4, 2, 64, 16, torch.float32, seed=1)
+    out = check(q, kc, vc, bt, sl, 0.125)
+    assert (out[0] == 0).all()
+    e = paged_decode_attention(q[:0], kc, vc, bt[:0], sl[:0], 0.125)
+    assert e.shape == (0, 4, 64)
+
+
+def test_int64_metadata_is_accepted():
+    q, kc, vc, bt, sl = make_inputs([20, 3], 4, 2, 64, 16, torch.float32, seed=2)
+    out = paged_decode_attention(q, kc, vc, bt.long(), sl.long(), 0.125)
+    torch.testing.assert_close(out.double(), reference(q, kc, vc, bt, sl, 0.125), **TOL[torch.float32])
+
+
+def test_bad_arguments_raise():
+    q, kc, vc, bt, sl = make_inputs([20, 3], 4, 2, 64, 16, torch.float32, seed=2)
+    bad = bt.clone()
+    bad[0, 1] = kc.shape[0]
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_decode_attention(q, kc, vc, bad, sl, 0.125)
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_decode_attention(q, kc, vc, bt, torch.tensor([20, 10_000], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="multiple"):
+        paged_decode_attention(q[:, :3].contiguous(), kc, vc, bt, sl, 0.125)
+    with pytest.raises(RuntimeError, match="dtype"):
+        paged_decode_attention(q.bfloat16(), kc, vc, bt, sl, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_decode_matches_torch_backend(dtype):
+    """CpuAttention().decode == TorchAttention().decode on metadata built as the runner builds it."""
+    g = torch.Generator().manual_seed(7)
+    bs, h, kvh, d = 16, 9, 3, 64
+    lens = [1, 17, 40, 95, 16]
+    max_blocks = max((n + bs - 1) // bs for n in lens) + 1
+    num_blocks = len(lens) * max_blocks + 4
+    perm = torch.randperm(num_blocks, generator=g)
+    block_tables = perm[:len(lens) * max_blocks].view(len(lens), max_blocks).int()
+    key_cache = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    # This step's new tokens: written into their slots first, as each layer does.
+    pos = seq_lens.long() - 1
+    slot_mapping = block_tables.long()[torch.arange(len(lens)), pos // bs] * bs + pos % bs
+    write_kv(torch.randn(len(lens), kvh, d, generator=g).to(dtype), torch.randn(len(lens), kvh, d, generator=g).to(dtype),
+             key_cache, value_cache, slot_mapping)
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping, num_decode_tokens=len(lens), decode_block_tables=block_tables,
+        decode_seq_lens=seq_lens, num_prefills=0, prefill_query_lens=torch.zeros(0, dtype=torch.long),
+        prefill_seq_lens=torch.zeros(0, dtype=torch.long),
+        prefill_block_tables=torch.zeros(0, max_blocks, dtype=torch.int32), max_decode_seq_len=max(lens))
+    q = torch.randn(len(lens), h, d, generator=g).to(dtype)
+    ref_backend, cpu_backend = TorchAttention(), CpuAttention()
+    assert cpu_backend.name == "cpu"
+    ref_backend.prepare(meta, bs)
+    expected = ref_backend.decode(q, key_cache, value_cache, meta, 1 / math.sqrt(d))
+    cpu_backend.prepare(meta, bs)
+    got = cpu_backend.decode(q, key_cache, value_cache, meta, 1 / math.sqrt(d))
+    assert got.dtype == dtype and got.shape == q.shape
+    # TorchAttention rounds the probabilities to bf16 before P @ V; the kernel keeps them in fp32.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, expected, **tol)
+    torch.testing.assert_close(got.double(), reference(q, key_cache, value_cache, block_tables, seq_lens,
+                                                       1 / math.sqrt(d)), **TOL[dtype])
