@@ -127,7 +127,22 @@ def main() -> None:
     gflops = matmul_gflops(tdtype)
     print(f"matmul 2048^3 {args.dtype}: {gflops:.0f} GFLOP/s")
 
-    rows = []
+    print("\n| engine | workload | output tok/s | total tok/s | elapsed s | notes |")
+    print("|---|---|---|---|---|---|", flush=True)
+    rates = {}
+
+    def report(name: str, wl: str, reqs, res: dict) -> None:
+        """Print a row as soon as it is measured (a long baseline must not hide the others)."""
+        out_rate = res["output_tokens"] / res["elapsed"]
+        prompt = sum(len(r["prompt_token_ids"]) for r in reqs)
+        total_rate = (res["output_tokens"] + prompt) / res["elapsed"]
+        rates[name] = out_rate
+        notes = ""
+        if "ttft_p50" in res:
+            notes = (f"TTFT p50 {res['ttft_p50']:.1f} s, p99 {res['ttft_p99']:.1f} s; "
+                     f"{res['preemptions']} preemptions; {100 * res['ceiling']:.0f}% of the 2048^3 matmul rate")
+        print(f"| {name} | {wl} | {out_rate:.1f} | {total_rate:.1f} | {res['elapsed']:.1f} | {notes} |", flush=True)
+
     if "pagoda" in which:
         reqs = workload.get(args.workload)
         res = run_pagoda(reqs, args.dtype, max_num_seqs=args.max_num_seqs,
@@ -138,30 +153,15 @@ def main() -> None:
         layers = cfg.num_hidden_layers * (
             cfg.hidden_size * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
             + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
-        used = model_flops(reqs, layers, lm_head) / res["elapsed"] / 1e9
-        res["ceiling"] = used / gflops
-        rows.append(("pagoda", args.workload, reqs, res))
+        res["ceiling"] = model_flops(reqs, layers, lm_head) / res["elapsed"] / 1e9 / gflops
+        report("pagoda", args.workload, reqs, res)
     model = load_hf(tdtype) if which & {"hf-single", "hf-static"} else None
     if "hf-single" in which:
         reqs = workload.get(args.single_workload)
-        rows.append(("transformers one-at-a-time", args.single_workload, reqs, run_hf_single(model, reqs)))
+        report("transformers one-at-a-time", args.single_workload, reqs, run_hf_single(model, reqs))
     if "hf-static" in which:
         reqs = workload.get(args.static_workload)
-        rows.append(("transformers static batch 32", args.static_workload, reqs, run_hf_static(model, reqs)))
-
-    rates = {}
-    print(f"\n| engine | workload | output tok/s | total tok/s | elapsed s | notes |")
-    print("|---|---|---|---|---|---|")
-    for name, wl, reqs, res in rows:
-        out_rate = res["output_tokens"] / res["elapsed"]
-        prompt = sum(len(r["prompt_token_ids"]) for r in reqs)
-        total_rate = (res["output_tokens"] + prompt) / res["elapsed"]
-        rates[name] = out_rate
-        notes = ""
-        if "ttft_p50" in res:
-            notes = (f"TTFT p50 {res['ttft_p50']:.1f} s, p99 {res['ttft_p99']:.1f} s; "
-                     f"{res['preemptions']} preemptions; {100 * res['ceiling']:.0f}% of matmul ceiling")
-        print(f"| {name} | {wl} | {out_rate:.1f} | {total_rate:.1f} | {res['elapsed']:.1f} | {notes} |")
+        report("transformers static batch 32", args.static_workload, reqs, run_hf_static(model, reqs))
     if "pagoda" in rates:
         for name, rate in rates.items():
             if name != "pagoda":

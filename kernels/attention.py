@@ -61,6 +61,11 @@ class TorchAttention:
 
     name = "torch"
 
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """reshape_and_cache: store each new token's K/V [T, kv_heads, head_dim] at its slot."""
+        write_kv(key, value, key_cache, value_cache, slot_mapping)
+
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         cache = {}
         if meta.num_decode_tokens:
@@ -87,6 +92,8 @@ class TorchAttention:
         scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [Bd, kvh, g, L]
         scores.masked_fill_(~meta.cache["decode_mask"][:, None, None, :], float("-inf"))
         probs = scores.softmax(-1).to(q.dtype)
+        # Slots past a sequence's end hold whatever the pool had: zero them so 0 * NaN cannot leak.
+        v = v.masked_fill(~meta.cache["decode_mask"][:, :, None, None], 0)
         return torch.matmul(probs, v.transpose(1, 2)).view(bd, h, d)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
@@ -132,6 +139,10 @@ def get_attention_backend(name: str, device: torch.device):
                 raise
             logger.warning("C++ CPU attention unavailable (%s); using the torch implementation", e)
             return TorchAttention()
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        from .triton_attention import TritonAttention
+
+        return TritonAttention(device)
     if name == "torch":
         return TorchAttention()
     raise ValueError(f"attention_backend {name!r} is not available on {device.type}")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda_kernels.attention import AttentionMetadata, write_kv
+from pagoda_kernels.attention import AttentionMetadata
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -87,7 +87,7 @@ class LlamaAttention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         key_cache, value_cache = kv_cache
-        write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        attn.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if nd == t:
             out = attn.decode(q, key_cache, value_cache, meta, self.scale)
