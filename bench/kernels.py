@@ -1,18 +1,26 @@
-"""Decode-attention micro-benchmark: the C++ paged kernel vs TorchAttention.decode (gather, then attend).
+"""Attention kernel micro-benchmarks.
 
     python bench/kernels.py [--device cpu] [--reps 10] [--threads N] [--dtype bf16 fp32]
+    python bench/kernels.py --device cuda [--dtype bf16] [--peak-gbs 3350 --peak-tflops 989]
 
-Every case runs both implementations in the same process on the same inputs: random, scattered
-physical blocks; all sequences at the given context length. Several layers' worth of caches are
-cycled through (more than the last-level cache holds), as in a real step where every layer reads
-its own cache, so the numbers are DRAM-bound rather than cache-warm. GB/s = bytes of K and V the
-attention must read (batch * context * kv_heads * head_dim * 2 * element size) / time.
+CPU: the C++ paged decode kernel vs TorchAttention.decode (gather, then attend). Every case runs
+both implementations in the same process on the same inputs: random, scattered physical blocks;
+all sequences at the given context length. Several layers' worth of caches are cycled through
+(more than the last-level cache holds), as in a real step where every layer reads its own cache,
+so the numbers are DRAM-bound rather than cache-warm. GB/s = bytes of K and V the attention must
+read (batch * context * kv_heads * head_dim * 2 * element size) / time.
+
+CUDA: the Triton kernels (kernels/triton_attention.py), timed with triton.testing.do_bench (which
+flushes L2 between calls): paged decode vs TorchAttention.decode, prefill vs dense causal SDPA on
+the same tokens (no paging: the yardstick), reshape_and_cache vs write_kv (index_copy_). Each row
+gives the floor the kernel could reach at the stated peaks (bytes / peak bandwidth for decode and
+the cache write, FLOPs / peak tensor throughput for prefill) and the share of it reached.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import math
-import pkgutil
 import statistics
 import sys
 import time
@@ -102,15 +110,195 @@ def bench_cpu(args):
             del caches
 
 
-def bench_cuda(args):
-    import pagoda_kernels
+# (label, q heads, kv heads, head dim, batch, context)
+CUDA_DECODE_CASES = [
+    ("llama8b", 32, 8, 128, 64, 2048),
+    ("llama8b", 32, 8, 128, 256, 1024),
+    ("llama8b", 32, 8, 128, 8, 8192),
+    ("llama8b", 32, 8, 128, 1, 32768),
+    ("smollm2", 9, 3, 64, 256, 512),
+]
+# (label, q heads, kv heads, head dim, [(cached context, query chunk) per sequence])
+CUDA_PREFILL_CASES = [
+    ("llama8b", 32, 8, 128, [(0, 4096)]),
+    ("llama8b", 32, 8, 128, [(0, 1024)] * 4),
+    ("llama8b", 32, 8, 128, [(3072, 1024)]),
+    ("llama8b", 32, 8, 128, [(0, 512)] * 8),
+]
+CUDA_WRITE_TOKENS = [64, 4096]
 
-    triton_mods = [m.name for m in pkgutil.iter_modules(pagoda_kernels.__path__) if "triton" in m.name]
-    if not triton_mods:
-        print("--device cuda: pagoda_kernels has no Triton module yet; the GPU decode-attention kernels "
-              "are a separate piece of work. Nothing to benchmark.")
+
+def _decode_inputs(h, kvh, d, batch, ctx, dtype, device, block_size=BLOCK_SIZE, seed=0):
+    """Device tensors for one decode case: scattered blocks, every sequence at ``ctx``."""
+    from pagoda_kernels.attention import AttentionMetadata
+
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-ctx // block_size)
+    num_blocks = batch * nb
+    kc = torch.randn(num_blocks, block_size, kvh, d, generator=g).to(dtype).to(device)
+    vc = torch.randn(num_blocks, block_size, kvh, d, generator=g).to(dtype).to(device)
+    bt = torch.randperm(num_blocks, generator=g).view(batch, nb).int()
+    sl = torch.full((batch,), ctx, dtype=torch.int32)
+    q = torch.randn(batch, h, d, generator=g).to(dtype).to(device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.long), num_decode_tokens=batch, decode_block_tables=bt,
+        decode_seq_lens=sl, num_prefills=0, prefill_query_lens=torch.zeros(0, dtype=torch.long),
+        prefill_seq_lens=torch.zeros(0, dtype=torch.long), prefill_block_tables=torch.zeros(0, nb, dtype=torch.int32),
+        max_decode_seq_len=ctx)
+    return q, kc, vc, meta
+
+
+def _torch_decode_on(device, meta, block_size):
+    """TorchAttention.decode with its metadata and mask moved to ``device`` (its prepare() builds them
+    on the host)."""
+    from pagoda_kernels.attention import TorchAttention
+
+    ref = TorchAttention()
+    dmeta = copy.copy(meta)
+    dmeta.decode_block_tables = meta.decode_block_tables.to(device)
+    dmeta.decode_seq_lens = meta.decode_seq_lens.to(device)
+    ref.prepare(dmeta, block_size)
+    dmeta.cache["decode_mask"] = dmeta.cache["decode_mask"].to(device)
+    return ref, dmeta
+
+
+def _prefill_inputs(h, kvh, d, chunks, dtype, device, block_size=BLOCK_SIZE, seed=0):
+    """Device tensors for one prefill step: each sequence's context in scattered blocks, its chunk in
+    q/k/v (and, as after the layer's cache write, in the cache too)."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in chunks]
+    nbs = [-(-n // block_size) for n in seq_lens]
+    perm = torch.randperm(sum(nbs), generator=g)
+    bt = torch.zeros(len(chunks), max(nbs), dtype=torch.int32)
+    at = 0
+    for i, nb in enumerate(nbs):
+        bt[i, :nb] = perm[at:at + nb].int()
+        at += nb
+    kc = torch.randn(sum(nbs), block_size, kvh, d, generator=g).to(dtype).to(device)
+    vc = torch.randn(sum(nbs), block_size, kvh, d, generator=g).to(dtype).to(device)
+    t = sum(n for _, n in chunks)
+    q = torch.randn(t, h, d, generator=g).to(dtype).to(device)
+    k = torch.randn(t, kvh, d, generator=g).to(dtype).to(device)
+    v = torch.randn(t, kvh, d, generator=g).to(dtype).to(device)
+    cu = torch.zeros(len(chunks) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor([n for _, n in chunks]).cumsum(0)
+    return q, k, v, kc, vc, bt.to(device), cu.to(device), torch.tensor(seq_lens, dtype=torch.int32).to(device)
+
+
+def run_triton_bench(device, dtype, dname, timer, peak_gbs, peak_tflops, decode_cases=None, prefill_cases=None,
+                     write_tokens=None):
+    """Print one table per kernel. ``timer(fn) -> seconds``; the case lists default to the CUDA ones."""
+    import torch.nn.functional as F
+
+    from pagoda_kernels.attention import write_kv
+    from pagoda_kernels.triton_attention import (decode_num_splits, paged_decode_attention, prefill_attention,
+                                                 reshape_and_cache)
+
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    print(f"\n== paged decode ({dname}, block size {BLOCK_SIZE}); floor = K/V bytes / {peak_gbs:.0f} GB/s")
+    header = (f"{'model':8} {'H/KV/D':>10} {'batch':>5} {'ctx':>6} {'KV MB':>7} {'splits':>6} | {'floor us':>8} | "
+              f"{'torch us':>9} {'GB/s':>6} | {'triton us':>9} {'GB/s':>6} {'%floor':>6} | {'max err':>8}")
+    print(header)
+    print("-" * len(header))
+    for label, h, kvh, d, batch, ctx in decode_cases or CUDA_DECODE_CASES:
+        q, kc, vc, meta = _decode_inputs(h, kvh, d, batch, ctx, dtype, device)
+        scale = 1 / math.sqrt(d)
+        bt, sl = meta.decode_block_tables.to(device), meta.decode_seq_lens.to(device)
+        splits = decode_num_splits(batch, kvh, 1 if h // kvh <= 64 else -(-(h // kvh) // 64), ctx, num_sms)
+        nbytes = 2 * batch * ctx * kvh * d * dtype.itemsize
+        floor = nbytes / (peak_gbs * 1e9)
+
+        def tri():
+            return paged_decode_attention(q, kc, vc, bt, sl, scale, max_seq_len=ctx, num_sms=num_sms)
+
+        ref, dmeta = _torch_decode_on(device, meta, BLOCK_SIZE)
+        err = (tri().float() - ref.decode(q, kc, vc, dmeta, scale).float()).abs().max().item()
+        t_tri = timer(tri)
+        try:
+            t_ref = timer(lambda: ref.decode(q, kc, vc, dmeta, scale))
+            ref_cols = f"{t_ref * 1e6:9.1f} {nbytes / t_ref / 1e9:6.0f}"
+        except torch.OutOfMemoryError:  # the gathered copy of K/V does not fit
+            ref_cols = f"{'OOM':>9} {'':>6}"
+        print(f"{label:8} {f'{h}/{kvh}/{d}':>10} {batch:5d} {ctx:6d} {nbytes / 1e6:7.1f} {splits:6d} | "
+              f"{floor * 1e6:8.1f} | {ref_cols} | {t_tri * 1e6:9.1f} {nbytes / t_tri / 1e9:6.0f} "
+              f"{100 * floor / t_tri:5.0f}% | {err:8.1e}", flush=True)
+        del q, kc, vc, ref, dmeta
+
+    print(f"\n== prefill ({dname}); floor = causal FLOPs / {peak_tflops:.0f} TFLOP/s; "
+          f"SDPA = dense causal attention on the chunks' own tokens (no paging, no cached context)")
+    header = (f"{'model':8} {'H/KV/D':>10} {'chunks (context+query)':>24} {'GFLOP':>7} | {'floor us':>8} | "
+              f"{'sdpa us':>8} | {'triton us':>9} {'TFLOP/s':>7} {'%floor':>6} | {'max err':>8}")
+    print(header)
+    print("-" * len(header))
+    for label, h, kvh, d, chunks in prefill_cases or CUDA_PREFILL_CASES:
+        q, k, v, kc, vc, bt, cu, sl = _prefill_inputs(h, kvh, d, chunks, dtype, device)
+        scale = 1 / math.sqrt(d)
+        max_q = max(n for _, n in chunks)
+        # 2 matmuls x 2 FLOPs x D per (q head, query, visible key); query i of a chunk sees context + i + 1 keys.
+        flops = sum(4 * h * d * (n * c + n * (n + 1) // 2) for c, n in chunks)
+        floor = flops / (peak_tflops * 1e12)
+
+        def tri():
+            return prefill_attention(q, k, v, kc, vc, bt, cu, sl, scale, max_query_len=max_q)
+
+        def sdpa():
+            outs, row = [], 0
+            for _, n in chunks:
+                qi, ki, vi = (x[row:row + n].transpose(0, 1)[None] for x in (q, k, v))
+                outs.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True))
+                row += n
+            return outs
+
+        o = tri()
+        err = f"{'n/a':>8}"
+        if all(c == 0 for c, _ in chunks):  # SDPA computes the same thing only without cached context
+            worst, row = 0.0, 0
+            for (_, n), ref_o in zip(chunks, sdpa()):
+                worst = max(worst, (o[row:row + n].float() - ref_o[0].transpose(0, 1).float()).abs().max().item())
+                row += n
+            err = f"{worst:8.1e}"
+        t_tri = timer(tri)
+        t_sdpa = timer(sdpa)
+        desc = " ".join(f"{c}+{n}" for c, n in chunks[:2]) + (f" x{len(chunks)}" if len(chunks) > 2 else "")
+        print(f"{label:8} {f'{h}/{kvh}/{d}':>10} {desc:>24} {flops / 1e9:7.1f} | {floor * 1e6:8.1f} | "
+              f"{t_sdpa * 1e6:8.1f} | {t_tri * 1e6:9.1f} {flops / t_tri / 1e12:7.1f} {100 * floor / t_tri:5.0f}% | "
+              f"{err}", flush=True)
+        del q, k, v, kc, vc
+
+    print(f"\n== reshape_and_cache ({dname}, Llama-8B: 8 KV heads x 128); floor = read + write bytes / {peak_gbs:.0f} GB/s")
+    header = f"{'tokens':>6} {'MB':>7} | {'floor us':>8} | {'index_copy us':>13} | {'triton us':>9} {'GB/s':>6}"
+    print(header)
+    print("-" * len(header))
+    kvh, d = 8, 128
+    for t in write_tokens or CUDA_WRITE_TOKENS:
+        num_blocks = max(1024, 2 * t // BLOCK_SIZE)
+        kc = torch.zeros(num_blocks, BLOCK_SIZE, kvh, d, dtype=dtype, device=device)
+        vc = torch.zeros_like(kc)
+        k = torch.randn(t, kvh, d, device=device).to(dtype)
+        v = torch.randn(t, kvh, d, device=device).to(dtype)
+        slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device)[:t]
+        nbytes = 4 * t * kvh * d * dtype.itemsize
+        t_tri = timer(lambda: reshape_and_cache(k, v, kc, vc, slots))
+        t_ref = timer(lambda: write_kv(k, v, kc, vc, slots))
+        print(f"{t:6d} {nbytes / 1e6:7.2f} | {nbytes / (peak_gbs * 1e9) * 1e6:8.2f} | {t_ref * 1e6:13.1f} | "
+              f"{t_tri * 1e6:9.1f} {nbytes / t_tri / 1e9:6.0f}", flush=True)
+
+
+def bench_cuda(args):
+    import triton.testing
+
+    if not torch.cuda.is_available():
+        print("--device cuda: no CUDA device visible to torch; nothing to benchmark.")
         return
-    print(f"--device cuda: found {triton_mods}, but this benchmark does not drive them yet.")
+    device = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}; triton {triton.__version__}; "
+          f"timing: triton.testing.do_bench ({args.stat}, L2 flushed between calls)")
+
+    def timer(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode=args.stat) / 1e3
+
+    for dname in args.dtype:
+        run_triton_bench(device, DTYPES[dname], dname, timer, args.peak_gbs, args.peak_tflops)
 
 
 def main(argv=None):
@@ -120,8 +308,13 @@ def main(argv=None):
     p.add_argument("--stat", default="median", choices=["median", "min"],
                    help="per-call time reported (min is steadier on a shared machine)")
     p.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (default: torch's)")
-    p.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
+    p.add_argument("--dtype", nargs="+", default=None, choices=list(DTYPES),
+                   help="default: bf16 fp32 on cpu, bf16 on cuda")
+    p.add_argument("--peak-gbs", type=float, default=3350.0, help="cuda: HBM bandwidth for the floors (H100 SXM)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="cuda: dense bf16/fp16 TFLOP/s (H100 SXM)")
     args = p.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = ["bf16"] if args.device == "cuda" else ["bf16", "fp32"]
     if args.device == "cuda":
         bench_cuda(args)
     else:
