@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pagoda-installed
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench clean protos serve
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ test: install
 
 bench: install
 	$(PY) bench/throughput.py
+
+protos: install
+	$(PY) protos/generate.py
+
+serve: install
+	$(PY) -m engine_service serve
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,8 +1,16 @@
-"""Command line: ``python -m engine_service demo`` (offline generation with the bundled model)."""
+"""Command line: ``python -m engine_service demo`` (offline generation with the bundled model) and
+``python -m engine_service serve`` (the engine gRPC service).
+
+Every ``serve`` option can also come from the environment, for containers: ``--max-num-seqs`` is
+``PAGODA_MAX_NUM_SEQS``, ``--model`` is ``PAGODA_MODEL``, and so on (the command line wins).
+"""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
+import re
 import time
 
 DEMO_PROMPTS = [
@@ -30,7 +38,87 @@ def demo(args: argparse.Namespace) -> None:
     print(f"\n{tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tok/s)")
 
 
-def main() -> None:
+def parse_bytes(text: str) -> int:
+    """``4294967296``, ``4GiB``, ``512MiB``, ``1.5G`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4294967296, 512MiB, 4GiB)")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    s = sub.add_parser("serve", help="serve the engine over gRPC (options also from PAGODA_* variables)")
+    s.add_argument("--model", default="bundled", help="'bundled', a HF directory or a .gguf file")
+    s.add_argument("--served-model-name", default=None, help="model id reported by ModelInfo and metrics")
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port")
+    s.add_argument("--log-level", default="INFO")
+    e = s.add_argument_group("engine (vLLM's names)")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None, help="CPU KV budget, e.g. 4GiB")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    e.add_argument("--swap-space-bytes", type=parse_bytes, default=1 << 30)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    v = s.add_argument_group("service")
+    v.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="beyond this many waiting requests Generate returns RESOURCE_EXHAUSTED")
+    v.add_argument("--max-stream-buffer", type=int, default=1024,
+                   help="outputs a stream may fall behind before it is cut off and its request aborted")
+    v.add_argument("--stall-timeout", type=float, default=60.0,
+                   help="seconds without engine loop progress (while it has work) before health is NOT_SERVING")
+    v.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM")
+    s.set_defaults(func=serve)
+    return s
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, prefix: str = "PAGODA_") -> None:
+    """Defaults from ``PAGODA_<OPTION>`` variables, converted and checked like command-line values."""
+    for action in parser._actions:
+        value = os.environ.get(prefix + action.dest.upper())
+        if value is None or not action.option_strings or action.dest == "help":
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            converted = value.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            try:
+                converted = action.type(value) if action.type else value
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                parser.error(f"{prefix}{action.dest.upper()}={value!r}: {e}")
+            if action.choices and converted not in action.choices:
+                parser.error(f"{prefix}{action.dest.upper()}={value!r}: choose from {', '.join(action.choices)}")
+        parser.set_defaults(**{action.dest: converted})
+
+
+ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                  "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
+                  "enable_chunked_prefill", "preemption_mode", "swap_space_bytes", "seed", "device",
+                  "attention_backend")
+
+
+def serve(args: argparse.Namespace) -> None:
+    from engine_service.config import EngineConfig
+    from engine_service.server import EngineServer, configure_logging
+
+    configure_logging(args.log_level)
+    config = EngineConfig(model=args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})
+    server = EngineServer(config, host=args.host, port=args.port, metrics_port=args.metrics_port,
+                          served_model_name=args.served_model_name,
+                          max_waiting_requests=args.max_waiting_requests, max_stream_buffer=args.max_stream_buffer,
+                          stall_timeout_s=args.stall_timeout, shutdown_grace_s=args.shutdown_grace)
+    asyncio.run(server.serve())
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m engine_service")
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="generate for a few prompts and one chat with the bundled model")
@@ -40,8 +128,14 @@ def main() -> None:
     d.add_argument("--temperature", type=float, default=0.8)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=demo)
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    apply_env_defaults(add_serve_parser(sub))
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    if args.command != "serve":
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.func(args)
 
 

@@ -35,6 +35,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"  # "cpu" | "torch" | "triton" | "auto"
     enforce_eager: bool = True
+    max_logprobs: int = 20  # most logprobs a request may ask for per token, as in vLLM
 
     # Derived by finalize().
     num_kv_blocks: int = 0

@@ -89,6 +89,11 @@ class LLMEngine:
         params = (params or SamplingParams()).clone()
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.config.max_logprobs:
+                raise ValueError(f"SamplingParams.{name} is {asked}, above this engine's max_logprobs "
+                                 f"({self.config.max_logprobs})")
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids contains {bad_stop[0]}, outside the vocabulary [0, {self.vocab_size})")
