@@ -89,6 +89,9 @@ class LLMEngine:
         params = (params or SamplingParams()).clone()
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
+        if params.prompt_logprobs is not None:
+            # Refused rather than silently ignored until the runner computes prompt-position logits.
+            raise ValueError("SamplingParams.prompt_logprobs is not supported by this engine yet; leave it None")
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
             if asked is not None and asked > self.config.max_logprobs:

@@ -182,6 +182,8 @@ def test_bad_requests_fail_alone(tiny_llama_dir, prompts, reference):
         engine.add_request("oov", [1, 2, 49152], GREEDY)
     with pytest.raises(ValueError, match=r"logprobs is 21, above this engine's max_logprobs \(20\)"):
         engine.add_request("lp", [1, 2], SamplingParams(logprobs=21))
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
+        engine.add_request("plp", [1, 2], SamplingParams(prompt_logprobs=1))
     assert not engine.has_unfinished_requests()
     batch = [{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": [7] * 500}, {"prompt_token_ids": prompts[1]}, ""]
     outputs = llm.generate(batch, GREEDY, use_tqdm=False)
