@@ -49,18 +49,22 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self._admissions = itertools.count()
         self.num_preemptions = 0
+        # Tokens the waiting queue still has to compute (waiting sequences hold no KV), kept as
+        # the queue changes so a load report never walks the queue.
+        self._num_waiting_tokens = 0
 
     # ---- queue management ---------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._num_waiting_tokens += seq.num_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
     def num_waiting_tokens(self) -> int:
-        return sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+        return self._num_waiting_tokens
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Retire a sequence and free its blocks at once (finished, stopped or aborted)."""
@@ -69,6 +73,7 @@ class Scheduler:
             self.block_manager.free(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self._num_waiting_tokens -= seq.num_tokens
             self.block_manager.free(seq)
         elif seq.status == SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
@@ -143,6 +148,7 @@ class Scheduler:
             if copies is None:
                 break
             self.waiting.popleft()
+            self._num_waiting_tokens -= seq.num_tokens
             if seq.request.metrics.first_scheduled_time is None:
                 seq.num_cached_tokens = len(computed) * bs
                 bm.prefix_queries += seq.num_tokens
@@ -178,3 +184,4 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        self._num_waiting_tokens += seq.num_tokens

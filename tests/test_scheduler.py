@@ -48,6 +48,7 @@ def run_step(sched: Scheduler, rng: random.Random | None = None, token: int = 7)
                 finished.append(seq)
     live = list(sched.running) + list(sched.waiting)
     sched.block_manager.check_invariants(live)
+    assert sched.num_waiting_tokens() == sum(s.num_tokens for s in sched.waiting)
     return out, finished
 
 
