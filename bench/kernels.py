@@ -155,9 +155,9 @@ def _torch_decode_on(device, meta, block_size):
 
     ref = TorchAttention()
     dmeta = copy.copy(meta)
+    ref.prepare(dmeta, block_size)  # on the host, as the engine does
     dmeta.decode_block_tables = meta.decode_block_tables.to(device)
     dmeta.decode_seq_lens = meta.decode_seq_lens.to(device)
-    ref.prepare(dmeta, block_size)
     dmeta.cache["decode_mask"] = dmeta.cache["decode_mask"].to(device)
     return ref, dmeta
 

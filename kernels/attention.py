@@ -61,16 +61,22 @@ class TorchAttention:
 
     name = "torch"
 
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """reshape_and_cache: store each new token's K/V [T, kv_heads, head_dim] at its slot."""
         write_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        if self.device.type != "cpu":  # the runner builds the metadata on the host
+            for name in ("slot_mapping", "decode_block_tables", "decode_seq_lens", "prefill_block_tables"):
+                setattr(meta, name, getattr(meta, name).to(self.device, non_blocking=True))
         cache = {}
         if meta.num_decode_tokens:
             nb = meta.decode_block_tables.shape[1]
-            key_pos = torch.arange(nb * block_size)
+            key_pos = torch.arange(nb * block_size, device=self.device)
             cache["decode_mask"] = key_pos[None, :] < meta.decode_seq_lens[:, None].long()
         if meta.num_prefills:
             qlens = meta.prefill_query_lens.tolist()
@@ -118,8 +124,10 @@ class TorchAttention:
                 vi = _gather(value_cache, table)[:, :seq_len].transpose(1, 2)
                 mask = masks.get((i, q.dtype))
                 if mask is None:
-                    visible = torch.arange(seq_len)[None, :] <= (start + torch.arange(qlen))[:, None]
-                    mask = torch.zeros(qlen, seq_len, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+                    pos = torch.arange(seq_len, device=q.device)
+                    visible = pos[None, :] <= start + pos[:qlen, None]
+                    mask = torch.zeros(qlen, seq_len, dtype=q.dtype, device=q.device).masked_fill_(~visible,
+                                                                                                float("-inf"))
                     masks[(i, q.dtype)] = mask
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
             out[q0:q0 + qlen] = o[0].transpose(0, 1)
@@ -144,5 +152,5 @@ def get_attention_backend(name: str, device: torch.device):
 
         return TritonAttention(device)
     if name == "torch":
-        return TorchAttention()
+        return TorchAttention(device)
     raise ValueError(f"attention_backend {name!r} is not available on {device.type}")

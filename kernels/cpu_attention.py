@@ -117,6 +117,7 @@ class CpuAttention(TorchAttention):
     name = "cpu"
 
     def __init__(self) -> None:
+        super().__init__("cpu")
         load_extension()  # build now (seconds, once per host) rather than inside the first step
 
     def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -40,7 +40,9 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DECODE_BLOCK_N = 64
 DECODE_MIN_SPLIT_TOKENS = 256
 DECODE_MAX_SPLITS = 64
-DECODE_PROGRAMS_PER_SM = 4
+DECODE_PROGRAMS_PER_SM = 2
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
 # Prefill: key tile; the query tile is min(128, next_pow2(max_query_len)), at least 16.
 PREFILL_BLOCK_N = 64
 PREFILL_MAX_BLOCK_M = 128
@@ -89,8 +91,9 @@ def _reshape_and_cache_kernel(
 
 @triton.jit
 def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale,
-                 UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
     """One online-softmax step: q [M, D], k/v [N, D], valid [M, N]; scores in log2 units.
+    ``MASKED=False`` (a tile every query row sees whole) skips applying ``valid``.
 
     Every caller's first tile has a valid key in each row, so m_i is finite from then on and
     exp2(m_i - m_new) never sees -inf - -inf.
@@ -98,7 +101,8 @@ def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale,
     if UPCAST_DOT:
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    s = tl.where(valid, s, float("-inf"))
+    if MASKED:
+        s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -109,6 +113,24 @@ def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale,
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _load_paged_tile(key_cache_ptr, value_cache_ptr, table, n0, seq_len, kv_head, d, d_mask,
+                     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """K and V rows [BLOCK_N, D_PAD] of context tokens n0.. of one kv head, reached through the
+    block table; tokens at or past ``seq_len`` and padded lanes read 0."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = n < seq_len
+    page = tl.load(table + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    offset = n % PAGE_SIZE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(key_cache_ptr + page[:, None] * stride_kcb + offset[:, None] * stride_kcs
+                + kv_head * stride_kch + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(value_cache_ptr + page[:, None] * stride_vcb + offset[:, None] * stride_vcs
+                + kv_head * stride_vch + d[None, :], mask=kv_mask, other=0.0)
+    return k, v
 
 
 @triton.jit
@@ -236,23 +258,38 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
 
     # 1. The context already cached (earlier chunks, prefix-cache hits): visible to every query.
+    #    Whole tiles need no mask; only the last, partial one does.
     table = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for n0 in range(0, ctx_len, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < ctx_len
-        page = tl.load(table + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offset = n % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + page[:, None] * stride_kcb + offset[:, None] * stride_kcs
-                    + kv_head * stride_kch + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + page[:, None] * stride_vcb + offset[:, None] * stride_vcs
-                    + kv_head * stride_vch + d[None, :], mask=kv_mask, other=0.0)
+    ctx_full = (ctx_len // BLOCK_N) * BLOCK_N
+    for n0 in range(0, ctx_full, BLOCK_N):
+        k, v = _load_paged_tile(key_cache_ptr, value_cache_ptr, table, n0, ctx_len, kv_head, d, d_mask,
+                                stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                                BLOCK_N, PAGE_SIZE)
+        m_i, l_i, acc = _attend_tile(q, k, v, m_mask[:, None], m_i, l_i, acc, qk_scale,
+                                     UPCAST_DOT, DOT_PRECISION, MASKED=False)
+    for n0 in range(ctx_full, ctx_len, BLOCK_N):  # at most one: the partial tail tile
+        k, v = _load_paged_tile(key_cache_ptr, value_cache_ptr, table, n0, ctx_len, kv_head, d, d_mask,
+                                stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                                BLOCK_N, PAGE_SIZE)
+        n_mask = n0 + tl.arange(0, BLOCK_N) < ctx_len
         m_i, l_i, acc = _attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale,
                                      UPCAST_DOT, DOT_PRECISION)
 
-    # 2. The chunk itself, read contiguously from k/v: query i sees chunk keys j <= i.
-    hi = tl.minimum((mb + 1) * BLOCK_M, q_len)
-    for n0 in range(0, hi, BLOCK_N):
+    # 2. The chunk itself, read contiguously from k/v: query i sees chunk keys j <= i. Key tiles
+    #    wholly left of this query tile's first row are visible to every row (no mask); only the
+    #    tiles on the diagonal apply the causal mask. BLOCK_N divides BLOCK_M, so the interior
+    #    ends exactly at the tile's first row.
+    q_lo = mb * BLOCK_M
+    for n0 in range(0, q_lo, BLOCK_N):
+        kv_rows = (q_start + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+        k = tl.load(k_ptr + kv_rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                    mask=d_mask[None, :], other=0.0)
+        v = tl.load(v_ptr + kv_rows[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                    mask=d_mask[None, :], other=0.0)
+        m_i, l_i, acc = _attend_tile(q, k, v, m_mask[:, None], m_i, l_i, acc, qk_scale,
+                                     UPCAST_DOT, DOT_PRECISION, MASKED=False)
+    hi = tl.minimum(q_lo + BLOCK_M, q_len)
+    for n0 in range(q_lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < hi
         kv_rows = (q_start + n).to(tl.int64)
@@ -327,7 +364,8 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            max_seq_len: int | None = None, num_splits: int | None = None,
                            num_sms: int | None = None, out: torch.Tensor | None = None,
                            workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           block_n: int = DECODE_BLOCK_N) -> torch.Tensor:
+                           block_n: int = DECODE_BLOCK_N, num_warps: int = DECODE_NUM_WARPS,
+                           num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
     """Decode attention, one query token per sequence, K/V read through the block tables.
 
     q [B, H, D] (head_dim contiguous); caches [num_blocks, block_size, kv_heads, D]; block_tables
@@ -380,7 +418,7 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         block_tables.stride(0), out.stride(0), out.stride(1), *ms,
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=d, D_PAD=d_pad, BLOCK_H=block_h, BLOCK_N=block_n,
         PAGE_SIZE=page_size, NUM_SPLITS=num_splits, UPCAST_DOT=upcast, DOT_PRECISION=precision,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_stage2_kernel[(b, h)](
@@ -395,7 +433,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cac
                       value_cache: torch.Tensor, block_tables: torch.Tensor, cu_query_lens: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float, *, max_query_len: int | None = None,
                       out: torch.Tensor | None = None, block_m: int | None = None,
-                      block_n: int = PREFILL_BLOCK_N) -> torch.Tensor:
+                      block_n: int = PREFILL_BLOCK_N, num_warps: int | None = None,
+                      num_stages: int | None = None) -> torch.Tensor:
     """Causal attention for prefill chunks back to back: q [Tp, H, D], k/v [Tp, kv_heads, D].
 
     Sequence i's chunk is rows ``cu_query_lens[i]:cu_query_lens[i+1]`` (int32 [Bp+1]); its
@@ -423,6 +462,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cac
     d_pad = _pow2(d, 16)
     if block_m is None:
         block_m = min(PREFILL_MAX_BLOCK_M, _pow2(max_query_len, 16))
+    block_n = min(block_n, block_m)  # the causal split into interior and diagonal tiles needs BLOCK_N | BLOCK_M
     upcast, precision = _dot_options(q.dtype)
     block_tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
     cu_query_lens = cu_query_lens if cu_query_lens.dtype == torch.int32 else cu_query_lens.to(torch.int32)
@@ -436,7 +476,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cac
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=h // kvh, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
-        num_warps=8 if block_m * d_pad >= 128 * 128 else 4, num_stages=3 if d_pad <= 128 else 2,
+        num_warps=num_warps or (8 if block_m * d_pad >= 128 * 128 else 4),
+        num_stages=num_stages or (3 if d_pad <= 128 else 2),
     )
     return out
 

@@ -171,9 +171,11 @@ def test_decode_split_k_long_context(dtype):
 
 
 def test_decode_num_splits_heuristic():
-    # Llama-8B on an H100 (132 SMs): a big batch fills the GPU alone, a single long sequence splits.
+    # Llama-8B on an H100 (132 SMs): a big batch fills the GPU alone, a single long sequence splits
+    # (the choices the H100 sweep found fastest: bench/triton_sweep.py, kernels/README.md).
     assert decode_num_splits(256, 8, 1, 2048, 132) == 1
-    assert decode_num_splits(64, 8, 1, 2048, 132) == 2
+    assert decode_num_splits(64, 8, 1, 2048, 132) == 1
+    assert decode_num_splits(8, 8, 1, 8192, 132) == 8
     assert decode_num_splits(1, 8, 1, 32768, 132) == 64
     assert decode_num_splits(1, 8, 1, 300, 132) == 2  # never slices under 256 tokens
     assert decode_num_splits(4, 8, 1, 100, 132) == 1
