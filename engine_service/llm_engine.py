@@ -47,9 +47,10 @@ class LLMEngine:
         self._child_seeds = itertools.count(1)
         max_concurrency = config.num_kv_blocks * config.block_size / config.max_model_len
         logger.info(
-            "engine ready in %.1f s: model %s (%s), dtype %s, %d KV blocks of %d tokens (%d tokens); "
-            "maximum concurrency for %d tokens per request: %.2fx",
+            "engine ready in %.1f s: model %s (%s), dtype %s (matmuls in %s), %d KV blocks of %d tokens "
+            "(%d tokens); maximum concurrency for %d tokens per request: %.2fx",
             time.perf_counter() - t0, self.model_dir, self.model_config.model_type, config.dtype,
+            str(self.runner.matmul_dtype).removeprefix("torch."),
             config.num_kv_blocks, config.block_size, config.num_kv_blocks * config.block_size,
             config.max_model_len, max_concurrency)
 

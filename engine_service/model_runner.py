@@ -42,6 +42,9 @@ class ModelRunner:
             self.model = LlamaForCausalLM(model_config, config.max_model_len)
         self.model.load_weights(weights)
         self.model.to(self.dtype)
+        self.matmul_dtype = config.torch_matmul_dtype
+        if self.matmul_dtype != self.dtype:
+            self.model.set_matmul_dtype(self.matmul_dtype)
         self.model.rope_cos, self.model.rope_sin = self.model.rope_cos.float(), self.model.rope_sin.float()
         self.model.eval().requires_grad_(False)
         logger.info("model loaded in %.2f s", time.perf_counter() - t0)

