@@ -18,6 +18,7 @@ from engine_service.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_service.scheduler import SchedulerOutput
 from engine_service.sequence import Sequence
 from pagoda_kernels.attention import AttentionMetadata, get_attention_backend
+from pagoda_kernels.layer_ops import get_layer_ops
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class ModelRunner:
         logger.info("model loaded in %.2f s", time.perf_counter() - t0)
         self.vocab_size = model_config.vocab_size
         self.attn = get_attention_backend(config.attention_backend, self.device)
+        self.layer_ops = get_layer_ops(self.device, config.attention_backend)
         head_dim = self.model.layers[0].self_attn.head_dim
         shape = (model_config.num_hidden_layers, 2, config.num_kv_blocks, config.block_size,
                  model_config.num_key_value_heads, head_dim)
@@ -133,7 +135,7 @@ class ModelRunner:
         self.attn.prepare(meta, bs)
 
         hidden = self.model(torch.tensor(input_ids, device=self.device), positions.to(self.device),
-                            self.kv_caches, meta, self.attn)
+                            self.kv_caches, meta, self.attn, self.layer_ops)
 
         # Only sequences whose pending tokens are now all computed sample a token.
         rows, sampled = [], []

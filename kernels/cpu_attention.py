@@ -1,4 +1,5 @@
 """CPU paged decode attention: a C++ kernel that reads K/V straight through the block tables.
+(The same extension carries the layer's fused elementwise ops: ``layer_ops.py``.)
 
 ``TorchAttention.decode`` gathers every sequence's K/V into a dense tensor first, which triples
 the memory traffic of a memory-bound op (read, write, read again). The kernel in
@@ -23,9 +24,11 @@ import torch
 
 from .attention import AttentionMetadata, TorchAttention
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
-_NAME = "pagoda_paged_attention_cpu"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "cpu_ops.cpp"]
+_NAME = "pagoda_cpu_kernels"
+# -ffp-contract=off: cpu_ops.cpp reproduces torch's separately rounded multiplies and adds.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
 _LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
@@ -83,7 +86,7 @@ def load_extension(verbose: bool = False):
             _ensure_ninja_on_path()
             build_dir = _cache_root() / "torch_extensions" / f"{_NAME}-{_host_tag()}"
             build_dir.mkdir(parents=True, exist_ok=True)
-            load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+            load(name=_NAME, sources=[str(p) for p in _SOURCES], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
                  build_directory=str(build_dir), is_python_module=False, verbose=verbose)
         _op = torch.ops.pagoda_cpu.paged_decode_attention.default
         return _op

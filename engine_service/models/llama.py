@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda_kernels.attention import AttentionMetadata
+from pagoda_kernels.layer_ops import TorchLayerOps
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -62,11 +63,6 @@ def _rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -87,8 +83,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, attn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                attn, ops: TorchLayerOps) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -96,8 +92,8 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = ops.rotary(q, rope)
+        k = ops.rotary(k, rope)
         key_cache, value_cache = kv_cache
         attn.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
@@ -131,9 +127,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, cos, sin, kv_cache, meta, attn):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope, kv_cache, meta, attn,
+                ops: TorchLayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before adding it): the next
+        layer's norm adds the two, fused (``ops.rms_norm``)."""
+        if residual is None:
+            residual = h
+            x = ops.rms_norm(h, None, self.input_layernorm.weight, self.input_layernorm.eps)
+        else:
+            x = ops.rms_norm(h, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        x = self.self_attn(x, rope, kv_cache, meta, attn, ops)
+        x = ops.rms_norm(x, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -157,13 +162,15 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, attn) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, attn,
+                ops: TorchLayerOps | None = None) -> torch.Tensor:
+        ops = ops or TorchLayerOps()
         h = self.embed_tokens(input_ids)
-        cos = self.rope_cos.index_select(0, positions).to(h.dtype)[:, None, :]
-        sin = self.rope_sin.index_select(0, positions).to(h.dtype)[:, None, :]
+        rope = ops.rope_inputs(positions, self.rope_cos, self.rope_sin, h.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, meta, attn)
-        return self.norm(h)
+            h, residual = layer(h, residual, rope, kv_cache, meta, attn, ops)
+        return ops.rms_norm(h, residual, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.logits_weight

@@ -1,0 +1,196 @@
+// Fused elementwise ops of the Llama layer for the CPU: residual add + RMSNorm, and rotary
+// embedding. Each replaces a chain of 6-10 torch ops (each a pass over memory and, above torch's
+// grain size, an OpenMP parallel region) with one pass over rows.
+//
+// Numerics follow the torch ops they replace (transformers' LlamaRMSNorm and apply_rotary_pos_emb)
+// operation by operation: float32 statistics, and in a 16-bit model dtype a rounding to that
+// dtype after every op that torch would round after. The file is built with -ffp-contract=off so
+// the compiler never fuses a multiply and an add that torch performs (and rounds) separately.
+// The only difference from torch can be the last bit of the RMSNorm mean (see rms_norm_impl).
+
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+struct bf16_t { uint16_t x; };
+
+inline float load(float v) { return v; }
+inline float load(bf16_t v) {
+  uint32_t u = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void store(float f, float* dst) { *dst = f; }
+inline void store(float f, bf16_t* dst) {  // round to nearest even, as torch's float -> bfloat16
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) {
+    dst->x = 0x7FC0;
+    return;
+  }
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  dst->x = static_cast<uint16_t>(u >> 16);
+}
+// The value torch holds after an op whose result it stores in T.
+inline float round_to(float f, float*) { return f; }
+inline float round_to(float f, bf16_t*) {
+  bf16_t b;
+  store(f, &b);
+  return load(b);
+}
+
+int threads_for(int64_t elements) {
+  // One thread below ~64K elements: a parallel region costs more than it saves there.
+  return elements < (1 << 16) ? 1 : omp_get_max_threads();
+}
+
+// residual (if given) += x, rounded to T; out = weight * T(float(h) * rsqrt(mean(float(h)^2) + eps))
+// with h the (updated) residual or x. x, residual, out: [T, H] with row strides; weight [H].
+template <typename T>
+void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride, const T* weight, T* out,
+                   int64_t out_stride, int64_t rows, int64_t hidden, float eps) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows * hidden))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    T* outr = out + r * out_stride;
+    T* hr = residual ? residual + r * res_stride : nullptr;
+    // Accumulated in double and rounded once: the correctly rounded float32 sum, which torch's
+    // cascade summation also reaches in all but rare cases, so the mean matches it bit for bit.
+    double sumsq = 0.0;
+    if (hr) {
+#pragma omp simd reduction(+ : sumsq)
+      for (int64_t i = 0; i < hidden; ++i) {
+        float h = round_to(load(xr[i]) + load(hr[i]), static_cast<T*>(nullptr));
+        store(h, &hr[i]);
+        sumsq += static_cast<double>(h * h);
+      }
+    } else {
+#pragma omp simd reduction(+ : sumsq)
+      for (int64_t i = 0; i < hidden; ++i) {
+        float h = load(xr[i]);
+        sumsq += static_cast<double>(h * h);
+      }
+    }
+    const T* src = hr ? hr : xr;
+    const float inv = 1.f / std::sqrt(static_cast<float>(sumsq) / static_cast<float>(hidden) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) {
+      float n = round_to(load(src[i]) * inv, static_cast<T*>(nullptr));
+      store(load(weight[i]) * n, &outr[i]);
+    }
+  }
+}
+
+// out = x * cos + rotate_half(x) * sin per head, cos/sin rows picked by position (float32 tables
+// [P, D], rounded to T first as torch's .to(dtype) does). x: [T, heads, D] (head rows contiguous,
+// token stride free); out: [T, heads, D] contiguous.
+template <typename T>
+void rotary_impl(const T* x, int64_t x_stride, T* out, const int64_t* positions, const float* cos_table,
+                 const float* sin_table, int64_t table_stride, int64_t rows, int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows * heads * dim))
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos_table + positions[r] * table_stride;
+    const float* s = sin_table + positions[r] * table_stride;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* xh = x + r * x_stride + h * dim;
+      T* oh = out + (r * heads + h) * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = load(xh[i]), x2 = load(xh[i + half]);
+        const float c1 = round_to(c[i], static_cast<T*>(nullptr)), c2 = round_to(c[i + half], static_cast<T*>(nullptr));
+        const float s1 = round_to(s[i], static_cast<T*>(nullptr)), s2 = round_to(s[i + half], static_cast<T*>(nullptr));
+        const float a1 = round_to(x1 * c1, static_cast<T*>(nullptr)), b1 = round_to(-x2 * s1, static_cast<T*>(nullptr));
+        const float a2 = round_to(x2 * c2, static_cast<T*>(nullptr)), b2 = round_to(x1 * s2, static_cast<T*>(nullptr));
+        store(a1 + b1, &oh[i]);
+        store(a2 + b2, &oh[i + half]);
+      }
+    }
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t hidden) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == hidden && t.stride(1) == 1, name,
+              " must be [", rows, ", ", hidden, "] with contiguous rows, got ", t.sizes(), " strides ", t.strides());
+}
+
+// out = RMSNorm(residual += x) when residual is given (updated in place), else RMSNorm(x).
+void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight, double eps,
+              at::Tensor& out) {
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  check_rows(x, "x", rows, hidden);
+  check_rows(out, "out", rows, hidden);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden && weight.is_contiguous(), "weight must be [", hidden, "]");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == weight.scalar_type(),
+              "x, weight and out must share a dtype");
+  if (residual) {
+    check_rows(*residual, "residual", rows, hidden);
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type(), "residual must have x's dtype");
+  }
+  const float e = static_cast<float>(eps);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      rms_norm_impl<float>(x.data_ptr<float>(), x.stride(0), residual ? residual->data_ptr<float>() : nullptr,
+                           residual ? residual->stride(0) : 0, weight.data_ptr<float>(), out.data_ptr<float>(),
+                           out.stride(0), rows, hidden, e);
+      break;
+    case at::kBFloat16:
+      rms_norm_impl<bf16_t>(static_cast<const bf16_t*>(x.data_ptr()), x.stride(0),
+                            residual ? static_cast<bf16_t*>(residual->data_ptr()) : nullptr,
+                            residual ? residual->stride(0) : 0, static_cast<const bf16_t*>(weight.data_ptr()),
+                            static_cast<bf16_t*>(out.data_ptr()), out.stride(0), rows, hidden, e);
+      break;
+    default:
+      TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
+  }
+}
+
+// out [T, heads, D] contiguous = rotary(x [T, heads, D]) at positions [T] (int64).
+void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_table,
+                      const at::Tensor& sin_table, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [T, heads, D] with contiguous heads");
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(dim % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "out must be a contiguous tensor like x");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong &&
+                  positions.is_contiguous(), "positions must be int64 [T]");
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
+                  cos_table.dim() == 2 && cos_table.size(1) == dim && cos_table.stride(1) == 1 &&
+                  sin_table.sizes() == cos_table.sizes() && sin_table.strides() == cos_table.strides(),
+              "cos/sin tables must be float32 [positions, head_dim] alike");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos_table.size(0);
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < max_pos, "position ", pos[r], " outside the rotary table [0, ", max_pos, ")");
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      rotary_impl<float>(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), pos, cos_table.data_ptr<float>(),
+                         sin_table.data_ptr<float>(), cos_table.stride(0), rows, heads, dim);
+      break;
+    case at::kBFloat16:
+      rotary_impl<bf16_t>(static_cast<const bf16_t*>(x.data_ptr()), x.stride(0), static_cast<bf16_t*>(out.data_ptr()),
+                          pos, cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), cos_table.stride(0), rows,
+                          heads, dim);
+      break;
+    default:
+      TORCH_CHECK(false, "rotary_embedding: unsupported dtype ", x.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor(b!)? residual, Tensor weight, float eps, Tensor(a!) out) -> ()");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.def("rotary_embedding(Tensor x, Tensor positions, Tensor cos_table, Tensor sin_table, Tensor(a!) out) -> ()");
+  m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(rotary_embedding));
+}

@@ -1,0 +1,70 @@
+"""The fused C++ layer ops (residual add + RMSNorm, rotary) against the torch reference ops."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda_kernels.layer_ops import CpuLayerOps, TorchLayerOps
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return CpuLayerOps(), TorchLayerOps()
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of the dtype's last place at the reference's magnitude."""
+    eps = torch.finfo(a.dtype).eps
+    scale = b.float().abs().clamp_min(1e-3)
+    return ((a.float() - b.float()).abs() / (scale * eps)).max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 crosses the multi-thread threshold
+def test_rms_norm_with_and_without_residual(ops, dtype, rows):
+    cpu, ref = ops
+    g = torch.Generator().manual_seed(rows)
+    hidden = 576
+    # A strided x (a view into a wider buffer), as the layer's projections produce.
+    x = (3 * torch.randn(rows, hidden + 64, generator=g)).to(dtype)[:, 32:32 + hidden]
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    res = torch.randn(rows, hidden, generator=g).to(dtype)
+    out = cpu.rms_norm(x, None, w, 1e-5)
+    want = ref.rms_norm(x, None, w, 1e-5)
+    assert out.shape == want.shape and out.dtype == dtype
+    assert ulps(out, want) <= 4  # the mean's float32 summation order differs: ~1 ulp, carried by 2 products
+    res_cpu, res_ref = res.clone(), res.clone()
+    out = cpu.rms_norm(x, res_cpu, w, 1e-5)
+    want = ref.rms_norm(x, res_ref, w, 1e-5)
+    assert torch.equal(res_cpu, res_ref)  # the residual add rounds exactly as torch's
+    assert not torch.equal(res_cpu, res)
+    assert ulps(out, want) <= 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,dim", [(9, 64), (3, 64), (4, 128)])
+def test_rotary_matches_torch_exactly(ops, dtype, heads, dim):
+    cpu, ref = ops
+    g = torch.Generator().manual_seed(heads * dim)
+    t, max_pos = 70, 512
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.arange(max_pos).float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), -1)
+    cos_t, sin_t = emb.cos(), emb.sin()
+    qkv = torch.randn(t, heads * dim + 40, generator=g).to(dtype)
+    x = qkv[:, :heads * dim].view(t, heads, dim)  # strided token rows, contiguous heads
+    positions = torch.randint(0, max_pos, (t,), generator=g)
+    out = cpu.rotary(x, cpu.rope_inputs(positions, cos_t, sin_t, dtype))
+    want = ref.rotary(x, ref.rope_inputs(positions, cos_t, sin_t, dtype))
+    assert out.is_contiguous() and out.dtype == dtype
+    assert torch.equal(out, want)
+
+
+def test_rotary_rejects_positions_outside_the_table(ops):
+    cpu, _ = ops
+    x = torch.randn(2, 1, 8)
+    cos_t = sin_t = torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        cpu.rotary(x, cpu.rope_inputs(torch.tensor([0, 4]), cos_t, sin_t, torch.float32))
