@@ -66,13 +66,13 @@ def _error_code(error: Exception) -> grpc.StatusCode:
 
 
 class _ResponseBuilder:
-    """Turns the outputs buffered since the last message into one ``GenerateResponse``."""
+    """Turns the outputs buffered since the last message into one ``EngineGenerateResponse``."""
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.done: set[int] = set()  # completions whose final chunk was sent
 
-    def build(self, outputs: list[RequestOutput]) -> engine_pb2.GenerateResponse:
+    def build(self, outputs: list[RequestOutput]) -> engine_pb2.EngineGenerateResponse:
         chunks: dict[int, common_pb2.TokenChunk] = {}
         for out in outputs:
             for c in out.outputs:
@@ -92,7 +92,7 @@ class _ResponseBuilder:
                         chunk.stop_str = c.stop_reason
                     elif c.stop_reason is not None:
                         chunk.stop_token_id = c.stop_reason
-        response = engine_pb2.GenerateResponse(request_id=self.request_id,
+        response = engine_pb2.EngineGenerateResponse(request_id=self.request_id,
                                                chunks=[chunks[i] for i in sorted(chunks)])
         last = outputs[-1]
         if last.finished:
@@ -127,7 +127,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.server = server
         self.engine = server.engine
 
-    async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext):
         arrival_time = time.time()
         request_id = request.request_id or uuid.uuid4().hex
         log = logger.bind(request_id=request_id)
