@@ -113,7 +113,7 @@ end
 """
 
 # ARGV: request_id payload priority num_prompt_tokens now('' = server time) max_queue_size
-#       priority_step_s max_queue_wait_boost_s owner prefix max_queued_tokens
+#       priority_step_s max_queue_wait_boost_s owner prefix max_queued_tokens lease_ttl_s('' = leave the lease)
 _ENQUEUE = _PRELUDE + """
 local id = ARGV[1]
 local need = tonumber(ARGV[4])
@@ -134,7 +134,14 @@ redis.call('HSET', PAYLOAD, id, ARGV[2])
 redis.call('HSET', TOKENS, id, need)
 redis.call('HSET', SCORE, id, score)
 redis.call('HSET', MEMBER, id, member)
-if ARGV[9] ~= '' then redis.call('HSET', OWNER, id, ARGV[9]) end
+if ARGV[9] ~= '' then
+  redis.call('HSET', OWNER, id, ARGV[9])
+  -- The owner's lease is renewed with the entry, so no reap can come between an enqueue and the
+  -- owner's first renewal (after a Redis restart, say).
+  if ARGV[12] ~= '' then
+    redis.call('HSET', ROUTERS, ARGV[9], string.format('%.17g', server_now() + tonumber(ARGV[12])))
+  end
+end
 if ARGV[10] ~= '' then redis.call('HSET', PREFIX, id, ARGV[10]) end
 redis.call('INCRBY', QTOKENS, need)
 return redis.call('ZRANK', Q, member)
@@ -395,7 +402,8 @@ class RedisRequestQueue:
         return await self._scripts[name](keys=self._keys, args=list(args))
 
     async def enqueue(self, request_id: str, payload: bytes, *, priority: int = 0, num_prompt_tokens: int,
-                      now: float | None = None, owner: str = "", prefix: str = "") -> int:
+                      now: float | None = None, owner: str = "", prefix: str = "",
+                      lease_ttl_s: float | None = None) -> int:
         """Add a request to the queue.
 
         Args:
@@ -406,6 +414,7 @@ class RedisRequestQueue:
             now: arrival time in seconds; Redis server time when None.
             owner: the router serving the client; its lease keeps the entry alive (see `reap`).
             prefix: a key of the prompt's leading tokens, for prefix-cache affinity ('' = none).
+            lease_ttl_s: renew the owner's lease for this long with the entry (None: leave it).
         Returns:
             The request's 0-based position in the queue.
         Raises:
@@ -420,7 +429,8 @@ class RedisRequestQueue:
         cfg = self.config
         result = await self._run("enqueue", request_id, payload, int(priority), int(num_prompt_tokens),
                                  _time_arg(now), cfg.max_queue_size, repr(float(cfg.priority_step_s)),
-                                 repr(float(cfg.max_queue_wait_boost_s)), owner, prefix, cfg.max_queued_tokens)
+                                 repr(float(cfg.max_queue_wait_boost_s)), owner, prefix, cfg.max_queued_tokens,
+                                 "" if lease_ttl_s is None else repr(float(lease_ttl_s)))
         if result == -1:
             raise QueueFull(f"queue is full: {cfg.max_queue_size} requests waiting (max_queue_size={cfg.max_queue_size})")
         if result == -2:

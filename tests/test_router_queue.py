@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import socket
 import subprocess
@@ -167,9 +168,10 @@ def test_concurrent_admitters_admit_each_request_exactly_once(redis_url):
 
             async def worker(k):
                 got = []
-                while True:
-                    # Varying room: some admissions skip, some find nothing; all must stay exact.
-                    admitted = await queues[k].admit(f"e{k}", 4 + (len(got) + k) % 5)
+                for attempt in itertools.count():
+                    # Varying room: some admissions skip, some find nothing; all must stay exact. (The
+                    # room cycles with every attempt, so a head that blocks the walk is always taken.)
+                    admitted = await queues[k].admit(f"e{k}", 4 + (attempt + k) % 5)
                     if admitted is not None:
                         got.append(admitted)
                         assert admitted.engine_id == f"e{k}"
@@ -329,9 +331,9 @@ def test_owner_is_told_of_admission_and_lapsed_leases_are_reaped(redis_url):
         pubsub = client.pubsub()
         await pubsub.subscribe(q.admitted_channel("router-b"))
         await pubsub.get_message(timeout=1)  # the subscribe confirmation
-        await q.renew_lease("router-a", 30)
         await q.renew_lease("router-b", 0.3)
-        await q.enqueue("mine", b"", num_prompt_tokens=1, owner="router-a", now=1.0)
+        # An enqueue renews its owner's lease: no reap can come before the owner's first renewal.
+        await q.enqueue("mine", b"", num_prompt_tokens=1, owner="router-a", now=1.0, lease_ttl_s=30)
         await q.enqueue("theirs", b"", num_prompt_tokens=1, owner="router-b", now=2.0)
         await q.enqueue("queued", b"", num_prompt_tokens=1, owner="router-b", now=3.0)
         assert (await q.place([EngineRoom("e", 100)], caller="router-a")).owner == "router-a"
