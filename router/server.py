@@ -65,7 +65,7 @@ class RouterError(Exception):
         self.code, self.message = code, message
 
 
-@dataclass
+@dataclass(eq=False)
 class _Forward:
     """One stream to an engine, cut by the registry watcher when the engine vanishes."""
 
@@ -333,7 +333,9 @@ class RouterServer:
             self._waiting_since.pop(request_id, None)
             self._waiting_model.pop(request_id, None)
             if enqueued:
-                self._spawn(self._release(model.model, request_id))
+                # Awaited (one round trip, after the last message) so that the id is free again when the
+                # client sees the status: a safe retry with the same id is not refused as ALREADY_EXISTS.
+                await asyncio.shield(self._release(model.model, request_id))
 
     def _new_waiter(self, request_id: str, model: str) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
