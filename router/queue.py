@@ -50,6 +50,8 @@ Redis layout, all under `{namespace}:` (fixed keys, declared to each script):
     affinity_lru ZSET   prefix key -> last use (bounded to `max_affinity_entries`)
     admit_log    LIST   admission times, newest first (the fleet's recent service rate)
     routers      HASH   router_id -> lease expiry (Redis server time)
+and `suspect_key` (default `{namespace}:engine_suspect`, the router passes the registry's): HASH
+engine_id -> time until which `place` skips that engine (a router saw its connection fail).
 Channels: `{namespace}:admitted:{router_id}` ("request_id engine_id"), `{namespace}:wake` (a
 slot was freed or a request put back: routers should try to admit).
 The client must be created with `decode_responses=False` (payloads are bytes).
@@ -69,7 +71,7 @@ _KEY_NAMES = ("queue", "payload", "tokens", "score", "member", "skips", "admitte
 
 _PRELUDE = """
 local Q, PAYLOAD, TOKENS, SCORE, MEMBER, SKIPS, ADMITTED, SEQ, OWNER, RESERVED, RSV_TOKENS, ACTIVE,
-      QTOKENS, PREFIX, AFFINITY, AFFINITY_LRU, ADMIT_LOG, ROUTERS = unpack(KEYS)
+      QTOKENS, PREFIX, AFFINITY, AFFINITY_LRU, ADMIT_LOG, ROUTERS, SUSPECT = unpack(KEYS)
 local PER_ID = {PAYLOAD, TOKENS, SCORE, MEMBER, SKIPS, ADMITTED, OWNER, RESERVED, PREFIX}
 local function server_now()
   local t = redis.call('TIME')
@@ -152,10 +154,12 @@ return redis.call('ZRANK', Q, member)
 _PLACE = _PRELUDE + """
 local caller, max_skips, slack = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4])
 local engines, maxfree = {}, nil
+local clock = server_now()
 for i = 8, #ARGV, 3 do
   local cap = tonumber(ARGV[i + 2])
   local active = tonumber(redis.call('HGET', ACTIVE, ARGV[i]) or '0')
-  if active < cap then
+  local suspect = tonumber(redis.call('HGET', SUSPECT, ARGV[i]) or '0')
+  if active < cap and suspect <= clock then
     local free = tonumber(ARGV[i + 1]) - tonumber(redis.call('HGET', RSV_TOKENS, ARGV[i]) or '0')
     engines[#engines + 1] = {id = ARGV[i], free = free, load = active / cap}
     if maxfree == nil or free > maxfree then maxfree = free end
@@ -378,13 +382,13 @@ class RedisRequestQueue:
     def __init__(self, redis: aioredis.Redis, *, namespace: str = "pagoda", max_queue_size: int = 1024,
                  max_queued_tokens: int = 1 << 22, max_queue_wait_boost_s: float = 30.0, max_skips: int = 8,
                  priority_step_s: float = 1.0, max_scan: int = 64, affinity_slack: float = 0.25,
-                 max_affinity_entries: int = 4096):
+                 max_affinity_entries: int = 4096, suspect_key: str | None = None):
         self.config = QueueConfig(namespace=namespace, max_queue_size=max_queue_size,
                                   max_queued_tokens=max_queued_tokens, max_queue_wait_boost_s=max_queue_wait_boost_s,
                                   max_skips=max_skips, priority_step_s=priority_step_s, max_scan=max_scan,
                                   affinity_slack=affinity_slack, max_affinity_entries=max_affinity_entries)
         self._redis = redis
-        self._keys = [f"{namespace}:{name}" for name in _KEY_NAMES]
+        self._keys = [f"{namespace}:{name}" for name in _KEY_NAMES] + [suspect_key or f"{namespace}:engine_suspect"]
         key = dict(zip(_KEY_NAMES, self._keys))
         self._queue_key, self._admitted_key, self._qtokens_key = key["queue"], key["admitted"], key["qtokens"]
         self._active_key = key["active"]

@@ -12,8 +12,9 @@ tokenizer files once per start (`publish_tokenizer`): routers tokenize exactly a
 (to check prompt lengths and count tokens for admission) without holding model files.
 
 Redis layout under ``{namespace}:``: ``engines`` HASH engine_id -> JSON record,
-``engine_expiry`` HASH engine_id -> expiry (server time), ``tokenizer:{model}`` STRING JSON of the
-tokenizer files.
+``engine_expiry`` HASH engine_id -> expiry (server time), ``engine_suspect`` HASH engine_id -> until
+when routers place nothing on it (a router saw its connection fail: the whole fleet backs off, not
+only that router), ``tokenizer:{model}`` STRING JSON of the tokenizer files.
 """
 from __future__ import annotations
 
@@ -39,10 +40,20 @@ redis.call('HSET', KEYS[2], ARGV[1], string.format('%.17g', now + tonumber(ARGV[
 return 1
 """
 
+_SUSPECT = """
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[3], ARGV[1], string.format('%.17g', tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[2])))
+return 1
+"""
+
 _LIVE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local live = {}
+local live, suspects = {}, {}
+local marks = redis.call('HGETALL', KEYS[3])
+for i = 1, #marks, 2 do
+  if tonumber(marks[i + 1]) > now then suspects[#suspects + 1] = marks[i] else redis.call('HDEL', KEYS[3], marks[i]) end
+end
 local expiry = redis.call('HGETALL', KEYS[2])
 for i = 1, #expiry, 2 do
   if tonumber(expiry[i + 1]) > now then
@@ -53,7 +64,7 @@ for i = 1, #expiry, 2 do
     redis.call('HDEL', KEYS[2], expiry[i])
   end
 end
-return live
+return {live, suspects}
 """
 
 
@@ -98,9 +109,10 @@ class EngineRegistry:
     def __init__(self, redis: aioredis.Redis, namespace: str = "pagoda"):
         self._redis = redis
         self.namespace = namespace
-        self._keys = [f"{namespace}:engines", f"{namespace}:engine_expiry"]
+        self._keys = [f"{namespace}:engines", f"{namespace}:engine_expiry", f"{namespace}:engine_suspect"]
         self._heartbeat = redis.register_script(_HEARTBEAT)
         self._live = redis.register_script(_LIVE)
+        self._suspect = redis.register_script(_SUSPECT)
 
     async def heartbeat(self, record: EngineRecord, ttl_s: float) -> None:
         await self._heartbeat(keys=self._keys, args=[record.engine_id, record.to_json(), repr(float(ttl_s))])
@@ -109,9 +121,16 @@ class EngineRegistry:
         async with self._redis.pipeline(transaction=True) as pipe:
             await pipe.hdel(self._keys[0], engine_id).hdel(self._keys[1], engine_id).execute()
 
-    async def live(self) -> dict[str, EngineRecord]:
-        """Engines whose heartbeat has not lapsed (lapsed ones are removed on the way)."""
-        return {r.engine_id: r for r in map(EngineRecord.from_json, await self._live(keys=self._keys))}
+    async def live(self) -> tuple[dict[str, EngineRecord], set[str]]:
+        """Engines whose heartbeat has not lapsed (lapsed ones are removed on the way), and the ids of
+        those under a suspect mark."""
+        records, suspects = await self._live(keys=self._keys)
+        return ({r.engine_id: r for r in map(EngineRecord.from_json, records)},
+                {s.decode() for s in suspects})
+
+    async def mark_suspect(self, engine_id: str, seconds: float) -> None:
+        """No router should place requests on ``engine_id`` for ``seconds`` (its connection failed)."""
+        await self._suspect(keys=self._keys, args=[engine_id, repr(float(seconds))])
 
     async def publish_tokenizer(self, model: str, files: dict[str, str]) -> None:
         await self._redis.set(f"{self.namespace}:tokenizer:{model}", json.dumps(files))

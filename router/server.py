@@ -83,7 +83,7 @@ class _Progress:
     first_token_at: float | None = None
     attempts: int = 0
     sent: bool = False
-    engine_queue_s: float = 0.0
+    unreachable: str | None = None  # the engine whose connection failed on the last attempt
     finish_reasons: list[str] = field(default_factory=list)
 
 
@@ -101,7 +101,8 @@ class _ModelQueues:
             queue = self._queues[model] = RedisRequestQueue(
                 self._redis, namespace=f"{c.namespace}:q:{model}", max_queue_size=c.max_queue_size,
                 max_queued_tokens=c.max_queued_tokens, max_queue_wait_boost_s=c.max_queue_wait_boost_s,
-                max_skips=c.max_skips, priority_step_s=c.priority_step_s, affinity_slack=c.affinity_slack)
+                max_skips=c.max_skips, priority_step_s=c.priority_step_s, affinity_slack=c.affinity_slack,
+                suspect_key=f"{c.namespace}:engine_suspect")
         return queue
 
     def all(self) -> list[tuple[str, RedisRequestQueue]]:
@@ -128,6 +129,7 @@ class RouterServer:
         self._waiting_model: dict[str, str] = {}
         self._inflight: dict[str, set[_Forward]] = {}
         self._suspect_until: dict[str, float] = {}
+        self._fleet_suspects: set[str] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._pending_releases: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -319,6 +321,11 @@ class RouterServer:
                     raise RouterError(CODES.UNAVAILABLE, f"no engine could serve the request in "
                                       f"{progress.attempts} attempts; nothing was generated, retry later")
                 future = self._new_waiter(request_id, model.model)
+                if progress.unreachable is not None:
+                    # Its connection failed: tell the fleet before the request goes back, or another
+                    # router could place it there again before the engine's heartbeat lapses.
+                    await self._mark_suspect(progress.unreachable)
+                    progress.unreachable = None
                 try:
                     await queue.requeue(request_id)
                 except _REDIS_ERRORS as e:
@@ -451,6 +458,8 @@ class RouterServer:
                 return False
             if forward.lost and code == CODES.CANCELLED:
                 return self._engine_fault(engine_id, progress, "engine left the registry (heartbeat lapsed)", log)
+            if code == CODES.UNAVAILABLE:
+                progress.unreachable = engine_id
             return self._engine_fault(engine_id, progress, f"{code.name}: {e.details()}", log)
         finally:
             self._num_streams -= 1
@@ -509,6 +518,12 @@ class RouterServer:
             self._channels[engine.address] = channel
         return engine_pb2_grpc.EngineStub(channel)
 
+    async def _mark_suspect(self, engine_id: str) -> None:
+        try:
+            await self.registry.mark_suspect(engine_id, self.config.engine_fault_backoff_s)
+        except _REDIS_ERRORS:
+            pass
+
     async def _started(self, queue: RedisRequestQueue, request_id: str) -> None:
         try:
             await queue.started(request_id)
@@ -544,7 +559,8 @@ class RouterServer:
         now = time.monotonic()
         extra = self.config.engine_max_waiting
         return [EngineRoom(e.engine_id, e.free_tokens, e.max_num_seqs + extra) for e in self.engines.values()
-                if e.model == model and e.accepting and self._suspect_until.get(e.engine_id, 0.0) <= now]
+                if e.model == model and e.accepting and self._suspect_until.get(e.engine_id, 0.0) <= now
+                and e.engine_id not in self._fleet_suspects]
 
     async def _dispatch(self) -> None:
         """Admission rounds: whenever woken (or every 100 ms), admit while any engine has room."""
@@ -613,7 +629,7 @@ class RouterServer:
         backoff = self.config.registry_refresh_s
         while True:
             try:
-                live = await self.registry.live()
+                live, self._fleet_suspects = await self.registry.live()
                 self._redis_ok()
                 await self._update_engines(live)
                 backoff = self.config.registry_refresh_s

@@ -127,7 +127,7 @@ class Process:
 def start_engine(name: str, model: str, redis_url: str, log_dir: Path, *extra: str) -> Process:
     port = free_port()
     cmd = [sys.executable, "-m", "engine_service", "serve", "--model", model, "--host", "127.0.0.1", "--port",
-           str(port), "--metrics-port", str(free_port()), "--redis-url", redis_url, "--engine-id", name,
+           str(port), "--metrics-port", str(free_port()), "--redis-url", redis_url, "--engine-id", name, "--shutdown-grace", "2",
            *ENGINE_ARGS, *extra]
     return Process(name, cmd, log_dir / f"{name}.log", port)
 
@@ -135,7 +135,7 @@ def start_engine(name: str, model: str, redis_url: str, log_dir: Path, *extra: s
 def start_router(name: str, redis_url: str, log_dir: Path, *extra: str) -> Process:
     port = free_port()
     cmd = [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port), "--metrics-port",
-           str(free_port()), "--redis-url", redis_url, "--router-id", name, *extra]
+           str(free_port()), "--redis-url", redis_url, "--router-id", name, "--shutdown-grace-s", "2", *extra]
     return Process(name, cmd, log_dir / f"{name}.log", port)
 
 
