@@ -35,7 +35,7 @@ SERVE_OPTIONS = ("redis_url", "redis_ca", "namespace", "host", "port", "metrics_
                  "max_queue_size", "max_queued_tokens", "max_queue_wait_boost_s", "priority_step_s", "max_skips",
                  "affinity_slack", "engine_max_waiting", "max_batch_size", "max_request_bytes", "max_attempts",
                  "lease_ttl_s", "engine_fault_backoff_s", "redis_outage_grace_s", "slo_window_s",
-                 "shutdown_grace_s", "tls_cert", "tls_key", "tls_client_ca", "engine_tls_ca", "engine_tls_cert",
+                 "slo_min_samples", "shutdown_grace_s", "tls_cert", "tls_key", "tls_client_ca", "engine_tls_ca", "engine_tls_cert",
                  "engine_tls_key")
 
 
@@ -69,7 +69,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     f.add_argument("--lease-ttl-s", type=float, default=5.0)
     f.add_argument("--engine-fault-backoff-s", type=float, default=2.0)
     f.add_argument("--redis-outage-grace-s", type=float, default=3.0)
-    f.add_argument("--slo-window-s", type=float, default=30.0)
+    f.add_argument("--slo-window-s", type=float, default=30.0, help="admission-rate window of the deadline check")
+    f.add_argument("--slo-min-samples", type=int, default=8, help="admissions needed before the deadline check applies")
     f.add_argument("--shutdown-grace-s", type=float, default=30.0)
     t = s.add_argument_group("security")
     t.add_argument("--tls-cert", default=None)

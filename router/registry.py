@@ -195,6 +195,7 @@ class EngineHeartbeat:
                 healthy, backoff = True, self.interval_s
                 await asyncio.sleep(self.interval_s)
             except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as e:
+                tokenizer_published = False  # a restarted Redis has lost it: publish again
                 if healthy:
                     logger.warning("registry.heartbeat_failed", error=str(e))
                 healthy = False
