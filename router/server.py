@@ -53,8 +53,10 @@ _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGT
 _CLIENT_ERRORS = {CODES.INVALID_ARGUMENT, CODES.OUT_OF_RANGE, CODES.FAILED_PRECONDITION, CODES.NOT_FOUND,
                   CODES.ALREADY_EXISTS}
 _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
-_ENGINE_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.keepalive_time_ms", 10_000),
-                           ("grpc.keepalive_timeout_ms", 5_000), ("grpc.http2.max_pings_without_data", 0)]
+# No client keepalive pings: the engine's server keeps gRPC's default ping policy and answers frequent pings
+# with GOAWAY "too_many_pings", which kills every stream on the connection. A dead engine is found by
+# its connection failing or its heartbeat lapsing instead.
+_ENGINE_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 
 
 class RouterError(Exception):
