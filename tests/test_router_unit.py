@@ -125,3 +125,33 @@ def test_router_config_validation():
         with pytest.raises(ValueError):
             RouterConfig(**bad)
     assert "s3cret" not in repr(RouterConfig(auth_tokens=("s3cret",), redis_password="pw"))
+
+
+def test_compose_file_uses_real_options():
+    """docker-compose.yml cannot run here (no Docker): check that every PAGODA_* variable it sets
+    is an option of the command it configures, and its wiring (two engines, one router, one Redis)."""
+    import argparse
+    from pathlib import Path
+
+    import yaml
+
+    from engine_service.__main__ import build_parser as engine_parser
+    from router.__main__ import build_parser as router_parser
+
+    def dests(parser: argparse.ArgumentParser, command: str) -> set[str]:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+        return {a.dest for a in sub._actions if a.option_strings}
+
+    compose = yaml.safe_load((Path(__file__).resolve().parents[1] / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert sorted(services) == ["engine-1", "engine-2", "redis", "router"]
+    engine_options, router_options = dests(engine_parser(), "serve"), dests(router_parser(), "serve")
+    for name, service in services.items():
+        env = service.get("environment", {})
+        if name.startswith("engine"):
+            assert service["command"][:3] == ["python", "-m", "engine_service"]
+            assert {k.removeprefix("PAGODA_").lower() for k in env} <= engine_options
+            assert env["PAGODA_REDIS_URL"].startswith("redis://redis:")
+        elif name == "router":
+            assert service["command"][:3] == ["python", "-m", "router"]
+            assert {k.removeprefix("PAGODA_ROUTER_").lower() for k in env} <= router_options
