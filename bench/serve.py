@@ -2,6 +2,7 @@
 
     python bench/serve.py                                   # rates 1,2,4 req/s, 60 requests each
     python bench/serve.py --rates 0.5,1,2,4,8 --requests 100 --out bench/serve_results
+    python bench/serve.py --tiny --rates 5,10,20 --requests 300   # router overhead, small engine time
 
 Starts a private redis-server, ``--engines`` engine processes (bundled model) and one router as
 subprocesses (as in production), then for each rate sends ``--requests`` requests with Poisson
@@ -11,6 +12,11 @@ paths therefore see the same engine load at the same moments, and their differen
 router adds (validation, Redis enqueue + admission, one more gRPC hop). Prompts are random token
 ids (distinct per request, so no prefix-cache hits), greedy with ``ignore_eos`` for fixed output
 lengths.
+
+``--tiny`` serves a 2-layer random-weight Llama (the bundled tokenizer) instead of the bundled
+model: the engine's step time, and so its noise, shrinks to a few milliseconds, which is what it
+takes to see a router overhead of about a millisecond on a shared CPU host. What the router does
+per request does not depend on the model.
 
 Reports per rate and path: request throughput, output tokens/s, TTFT / TPOT / ITL p50 and p99,
 queue time (router: Redis wait + engine queue; direct: engine queue), and the router's added TTFT
@@ -25,6 +31,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -166,6 +173,25 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def make_tiny_model(path: Path) -> str:
+    """A 2-layer random-weight Llama with the bundled tokenizer (as tests/conftest.py builds)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine_service.model_loader import resolve_model_dir
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    bundled = resolve_model_dir("bundled")
+    for name in os.listdir(bundled):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(bundled, name), path / name)
+    return str(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="1,2,4", help="offered loads, requests/s")
@@ -175,24 +201,29 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer random-weight model: measures router overhead")
     ap.add_argument("--out", default=str(ROOT / "bench" / "serve_results"), help="output path without extension")
     args = ap.parse_args()
     args.rates = [float(x) for x in args.rates.split(",")]
     if shutil.which("redis-server") is None:
         sys.exit("redis-server not found on PATH (apt-get install redis-server)")
     workdir = tempfile.mkdtemp(prefix="pagoda-bench-")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # run the cleanup below
+    model = make_tiny_model(Path(workdir) / "tiny") if args.tiny else "bundled"
     redis_port, router_port = free_port(), free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
-    procs = [subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL)]
+    procs = []
     quiet = ["--log-level", "WARNING"]
     engine_targets = []
     try:
+        procs.append(subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                       "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL))
         for i in range(args.engines):
             port = free_port()
             engine_targets.append(f"127.0.0.1:{port}")
             procs.append(subprocess.Popen([sys.executable, "-m", "engine_service", "serve", "--host", "127.0.0.1",
-                                           "--port", str(port), "--metrics-port", str(free_port()), "--dtype",
+                                           "--port", str(port), "--metrics-port", str(free_port()), "--model", model,
+                                           "--dtype",
                                            args.dtype, "--max-model-len", "1024", "--redis-url", redis_url,
                                            "--engine-id", f"e{i}", *quiet], cwd=ROOT))
         router_target = f"127.0.0.1:{router_port}"

@@ -307,7 +307,7 @@ class RouterServer:
             log.debug("request.queued", position=position, prompt_tokens=len(valid.prompt_token_ids),
                       priority=valid.priority)
             await self._check_deadline_can_be_met(queue, model.model, request_id, position, deadline)
-            self._wake.set()
+            await self._admit_inline(queue, model.model)
             while True:
                 engine_id = await self._wait_admission(future, deadline, request_id, queue)
                 if progress.admitted_at is None:
@@ -556,6 +556,19 @@ class RouterServer:
         elif future is None:
             # Not waited for here (its client left before the entry was gone): drop it.
             self._spawn(self._release(model, request_id))
+
+    async def _admit_inline(self, queue: RedisRequestQueue, model: str) -> None:
+        """One admission right after an enqueue, in the request's own task: when an engine has room
+        (moderate load) the request is on its way one Redis round trip later, without waiting for the
+        dispatcher task to be scheduled. The dispatcher then admits whatever else fits."""
+        try:
+            admitted = await queue.place(self._rooms(model), caller=self.router_id)
+        except _REDIS_ERRORS as e:
+            self._redis_failed(e)
+            admitted = None
+        if admitted is not None and admitted.owner == self.router_id:
+            self._on_admitted(admitted.request_id, admitted.engine_id, model)
+        self._wake.set()
 
     def _rooms(self, model: str) -> list[EngineRoom]:
         now = time.monotonic()

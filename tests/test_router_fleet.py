@@ -23,7 +23,7 @@ NS = f"pagoda:q:{MODEL}"
 SUBJECTS = ["the sea", "a red fox", "Paris", "prime numbers", "the moon", "a violin"]
 TEMPLATES = ["Write one sentence about {}.", "Here is a fact about {}:", "Q: What is {}?\nA:", "{} is"]
 PROMPTS = [t.format(s) for t in TEMPLATES for s in SUBJECTS]  # 24
-SHORT, LONG = 6, 24  # max_tokens of the load test and of the fault tests
+SHORT, LONG = 4, 16  # max_tokens of the load test and of the fault tests
 
 
 @pytest.fixture(scope="module")
