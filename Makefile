@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pagoda-installed
 
-.PHONY: install run test bench clean protos serve
+.PHONY: install run demo test bench bench-serve clean protos serve
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The local stack without Docker: redis-server (from PATH), one engine, one router, demo prompts.
 run: install
+	$(PY) -m router stack
+
+demo: install
 	$(PY) -m engine_service demo
 
 test: install
@@ -25,6 +29,9 @@ test: install
 
 bench: install
 	$(PY) bench/throughput.py
+
+bench-serve: install
+	$(PY) bench/serve.py
 
 protos: install
 	$(PY) protos/generate.py

@@ -58,7 +58,7 @@ async def run_grpc(target: str, requests, tag: str) -> dict:
     ttft, itl, tokens = [], [], []
 
     async def one(stub, i: int, r: dict, t0: float) -> None:
-        req = engine_pb2.GenerateRequest(
+        req = engine_pb2.EngineGenerateRequest(
             request_id=f"{tag}-{i}", prompt_token_ids=engine_pb2.TokenIds(ids=r["prompt_token_ids"]),
             sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
         last, n = None, 0

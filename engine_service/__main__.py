@@ -77,6 +77,22 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     v.add_argument("--stall-timeout", type=float, default=60.0,
                    help="seconds without engine loop progress (while it has work) before health is NOT_SERVING")
     v.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM")
+    v.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM) ...")
+    v.add_argument("--tls-key", default=None, help="... and this private key (PEM)")
+    v.add_argument("--tls-client-ca", default=None,
+                   help="require client certificates signed by this CA (mutual TLS with the routers)")
+    r = s.add_argument_group("router fleet registration (engines are found through Redis)")
+    r.add_argument("--redis-url", default=None, help="heartbeat this engine's load into the registry at this "
+                   "Redis (redis://[:password@]host:port/db or rediss://); unset: not registered")
+    r.add_argument("--redis-password-file", default=None, help="Redis password from a file (or PAGODA_REDIS_PASSWORD)")
+    r.add_argument("--redis-ca", default=None, help="CA certificate for rediss:// URLs")
+    r.add_argument("--namespace", default="pagoda", help="registry/queue key prefix shared with the routers")
+    r.add_argument("--engine-id", default=None, help="registry id (default: the advertised address)")
+    r.add_argument("--advertise-address", default=None,
+                   help="host:port routers dial (default: this host's name and --port)")
+    r.add_argument("--heartbeat-interval", type=float, default=0.25, help="seconds between load heartbeats")
+    r.add_argument("--heartbeat-ttl", type=float, default=2.0,
+                   help="seconds after the last heartbeat before routers drop this engine")
     s.set_defaults(func=serve)
     return s
 
@@ -111,11 +127,40 @@ def serve(args: argparse.Namespace) -> None:
 
     configure_logging(args.log_level)
     config = EngineConfig(model=args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})
+    credentials = None
+    if args.tls_cert or args.tls_key:
+        from router.security import server_credentials
+
+        credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     server = EngineServer(config, host=args.host, port=args.port, metrics_port=args.metrics_port,
                           served_model_name=args.served_model_name,
                           max_waiting_requests=args.max_waiting_requests, max_stream_buffer=args.max_stream_buffer,
-                          stall_timeout_s=args.stall_timeout, shutdown_grace_s=args.shutdown_grace)
-    asyncio.run(server.serve())
+                          stall_timeout_s=args.stall_timeout, shutdown_grace_s=args.shutdown_grace,
+                          server_credentials=credentials)
+    asyncio.run(_serve_registered(server, args) if args.redis_url else server.serve())
+
+
+async def _serve_registered(server, args: argparse.Namespace) -> None:
+    """Serve, heartbeating into the router fleet's registry from when the model is loaded until shutdown."""
+    from engine_service.registration import EngineRegistration
+
+    password = os.environ.get("PAGODA_REDIS_PASSWORD")
+    if args.redis_password_file:
+        with open(args.redis_password_file, encoding="utf-8") as f:
+            password = f.read().strip()
+    registration = EngineRegistration(
+        server, args.redis_url, engine_id=args.engine_id, advertise_address=args.advertise_address,
+        namespace=args.namespace, redis_password=password, redis_ca=args.redis_ca,
+        interval_s=args.heartbeat_interval, ttl_s=args.heartbeat_ttl)
+    serving = asyncio.create_task(server.serve())
+    try:
+        while not server.engine.ready and not serving.done():
+            await asyncio.sleep(0.05)
+        if not serving.done():
+            await registration.start()
+        await serving
+    finally:
+        await registration.stop()
 
 
 def build_parser() -> argparse.ArgumentParser:

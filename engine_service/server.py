@@ -66,13 +66,13 @@ def _error_code(error: Exception) -> grpc.StatusCode:
 
 
 class _ResponseBuilder:
-    """Turns the outputs buffered since the last message into one ``GenerateResponse``."""
+    """Turns the outputs buffered since the last message into one ``EngineGenerateResponse``."""
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.done: set[int] = set()  # completions whose final chunk was sent
 
-    def build(self, outputs: list[RequestOutput]) -> engine_pb2.GenerateResponse:
+    def build(self, outputs: list[RequestOutput]) -> engine_pb2.EngineGenerateResponse:
         chunks: dict[int, common_pb2.TokenChunk] = {}
         for out in outputs:
             for c in out.outputs:
@@ -92,7 +92,7 @@ class _ResponseBuilder:
                         chunk.stop_str = c.stop_reason
                     elif c.stop_reason is not None:
                         chunk.stop_token_id = c.stop_reason
-        response = engine_pb2.GenerateResponse(request_id=self.request_id,
+        response = engine_pb2.EngineGenerateResponse(request_id=self.request_id,
                                                chunks=[chunks[i] for i in sorted(chunks)])
         last = outputs[-1]
         if last.finished:
@@ -127,7 +127,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.server = server
         self.engine = server.engine
 
-    async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext):
         arrival_time = time.time()
         request_id = request.request_id or uuid.uuid4().hex
         log = logger.bind(request_id=request_id)
@@ -227,8 +227,10 @@ class EngineServer:
     def __init__(self, config: EngineConfig, *, host: str = "0.0.0.0", port: int = 50051,
                  metrics_port: int | None = None, served_model_name: str | None = None,
                  max_waiting_requests: int = 1024, max_stream_buffer: int = 1024, stall_timeout_s: float = 60.0,
-                 shutdown_grace_s: float = 30.0, health_check_interval_s: float = 0.5):
+                 shutdown_grace_s: float = 30.0, health_check_interval_s: float = 0.5,
+                 server_credentials: grpc.ServerCredentials | None = None):
         self.host, self.port, self.metrics_port = host, port, metrics_port
+        self.server_credentials = server_credentials  # TLS (mutual with a client CA) instead of plaintext
         self.model_name = served_model_name or default_model_name(config.model)
         self.metrics = EngineMetrics(self.model_name)
         self.engine = AsyncEngine(config, max_waiting_requests=max_waiting_requests,
@@ -254,7 +256,10 @@ class EngineServer:
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server)
-        self.port = server.add_insecure_port(f"{self.host}:{self.port}")
+        if self.server_credentials is not None:
+            self.port = server.add_secure_port(f"{self.host}:{self.port}", self.server_credentials)
+        else:
+            self.port = server.add_insecure_port(f"{self.host}:{self.port}")
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()

@@ -74,10 +74,10 @@ class Stream:
     def __init__(self):
         self.text = ""
         self.token_ids: list[int] = []
-        self.messages: list[engine_pb2.GenerateResponse] = []
+        self.messages: list[engine_pb2.EngineGenerateResponse] = []
         self.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
 
-    def add(self, message: engine_pb2.GenerateResponse) -> None:
+    def add(self, message: engine_pb2.EngineGenerateResponse) -> None:
         self.messages.append(message)
         for chunk in message.chunks:
             self.text += chunk.text
@@ -86,17 +86,17 @@ class Stream:
                 self.finish_reason = chunk.finish_reason
 
     @property
-    def final(self) -> engine_pb2.GenerateResponse:
+    def final(self) -> engine_pb2.EngineGenerateResponse:
         return self.messages[-1]
 
 
-def request(request_id: str, prompt: str | list[int], **params) -> engine_pb2.GenerateRequest:
+def request(request_id: str, prompt: str | list[int], **params) -> engine_pb2.EngineGenerateRequest:
     prompt_field = {"text": prompt} if isinstance(prompt, str) else {"prompt_token_ids": engine_pb2.TokenIds(ids=prompt)}
-    return engine_pb2.GenerateRequest(request_id=request_id, sampling_params=common_pb2.SamplingParams(**params),
+    return engine_pb2.EngineGenerateRequest(request_id=request_id, sampling_params=common_pb2.SamplingParams(**params),
                                       **prompt_field)
 
 
-async def generate(stub, req: engine_pb2.GenerateRequest, timeout: float | None = None) -> Stream:
+async def generate(stub, req: engine_pb2.EngineGenerateRequest, timeout: float | None = None) -> Stream:
     stream = Stream()
     async for message in stub.Generate(req, timeout=timeout):
         stream.add(message)
@@ -310,7 +310,7 @@ def test_bad_input_and_overload_are_refused_while_others_stream(tiny_llama_dir):
 
     bad = {  # request -> (status code, words the message must contain)
         "empty": (request("b0", ""), CODES.INVALID_ARGUMENT, "prompt"),
-        "no prompt": (engine_pb2.GenerateRequest(request_id="b1"), CODES.INVALID_ARGUMENT, "prompt"),
+        "no prompt": (engine_pb2.EngineGenerateRequest(request_id="b1"), CODES.INVALID_ARGUMENT, "prompt"),
         "too long": (request("b2", [5] * 1024), CODES.INVALID_ARGUMENT, "max_model_len"),
         "vocab": (request("b3", [5, 49152]), CODES.INVALID_ARGUMENT, "prompt_token_ids"),
         "temperature": (request("b4", "x", temperature=-1.0), CODES.INVALID_ARGUMENT, "temperature"),

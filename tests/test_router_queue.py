@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import socket
 import subprocess
@@ -15,7 +16,7 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.queue import Admitted, DuplicateRequest, QueueFull, RedisRequestQueue
+from router.queue import Admitted, DuplicateRequest, EngineRoom, QueueFull, RedisRequestQueue
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs a redis-server binary")
 
@@ -64,9 +65,11 @@ def run_with_queue(redis_url, body, **kwargs):
 
 
 async def admit_all(queue, free_tokens=10_000, engine_id="e0"):
+    """Admit until nothing fits; each request starts at once (its reservation ends)."""
     ids = []
     while (admitted := await queue.admit(engine_id, free_tokens)) is not None:
         ids.append(admitted.request_id)
+        assert await queue.started(admitted.request_id)
     return ids
 
 
@@ -79,7 +82,8 @@ def test_fcfs_with_equal_priority(redis_url):
         assert await q.position("e") == 4
         assert await q.depth() == 5
         first = await q.admit("e0", 10)
-        assert first == Admitted("a", b"a", 1)
+        assert first == Admitted("a", b"a", 1, engine_id="e0")
+        await q.started("a")
         assert await admit_all(q) == ["b", "c", "d", "e"]
         assert await q.depth() == 0
     run_with_queue(redis_url, body)
@@ -164,11 +168,14 @@ def test_concurrent_admitters_admit_each_request_exactly_once(redis_url):
 
             async def worker(k):
                 got = []
-                while True:
-                    # Varying room: some admissions skip, some find nothing; all must stay exact.
-                    admitted = await queues[k].admit(f"e{k}", 4 + (len(got) + k) % 5)
+                for attempt in itertools.count():
+                    # Varying room: some admissions skip, some find nothing; all must stay exact. (The
+                    # room cycles with every attempt, so a head that blocks the walk is always taken.)
+                    admitted = await queues[k].admit(f"e{k}", 4 + (attempt + k) % 5)
                     if admitted is not None:
                         got.append(admitted)
+                        assert admitted.engine_id == f"e{k}"
+                        await queues[k].started(admitted.request_id)
                     elif await queues[k].depth() == 0:
                         return got
                     else:
@@ -196,6 +203,8 @@ def test_bounded_skipping_then_head_blocks_until_it_fits(redis_url):
             await q.enqueue(f"s{i}", b"", num_prompt_tokens=10, now=1.0 + i)
         admitted = [(await q.admit("e0", 50)).request_id for _ in range(max_skips)]
         assert admitted == ["s0", "s1", "s2"]
+        for rid in admitted:
+            await q.started(rid)
         # The head has been overtaken max_skips times: nothing behind it goes while it does not fit.
         assert await q.admit("e0", 50) is None
         assert await q.admit("e0", 99) is None
@@ -248,9 +257,112 @@ def test_cancel_removes_only_queued(redis_url):
 def test_config_validation():
     client = aioredis.Redis()
     for bad in ({"max_queue_size": 0}, {"max_queue_wait_boost_s": 0}, {"max_skips": -1},
-                {"priority_step_s": 0}, {"namespace": ""}):
+                {"priority_step_s": 0}, {"namespace": ""}, {"max_queued_tokens": 0}, {"affinity_slack": -1}):
         with pytest.raises(ValueError):
             RedisRequestQueue(client, **bad)
+
+
+def test_queued_token_limit(redis_url):
+    async def body(q):
+        await q.enqueue("a", b"", num_prompt_tokens=60, now=1.0)
+        with pytest.raises(QueueFull, match="max_queued_tokens=100"):
+            await q.enqueue("b", b"", num_prompt_tokens=41, now=2.0)
+        await q.enqueue("c", b"", num_prompt_tokens=40, now=3.0)
+        assert await q.queued_tokens() == 100
+        assert (await q.admit("e0", 1000)).request_id == "a"
+        assert await q.queued_tokens() == 40
+        await q.requeue("a")  # put back whatever the limit: it was accepted once
+        assert await q.queued_tokens() == 100
+        assert await q.cancel("c") and await q.release("a")
+        assert await q.queued_tokens() == 0
+        # Larger than the whole limit, but nothing waits: taken (or it never could be).
+        await q.enqueue("huge", b"", num_prompt_tokens=500, now=4.0)
+    run_with_queue(redis_url, body, max_queued_tokens=100)
+
+
+def test_placement_least_loaded_slots_and_reservations(redis_url):
+    async def body(q):
+        for i in range(6):
+            await q.enqueue(f"r{i}", b"", num_prompt_tokens=10, now=float(i))
+        engines = [EngineRoom("a", free_tokens=100, max_active=2), EngineRoom("b", free_tokens=25, max_active=4)]
+        # Least loaded (admitted / max_active) first; ties go to the engine with more usable room.
+        got = [(await q.place(engines)).engine_id for _ in range(4)]
+        assert got == ["a", "b", "b", "a"]  # loads 0|0, 1/2|0, 1/2|1/4, then a tie: a has more room
+        # a is full (2 of 2 slots); b has slots but 25 - 2 * 10 reserved tokens = 5 < 10 of room.
+        assert await q.place(engines) is None
+        assert await q.started("r1")  # b's report will now count r1: 15 usable tokens
+        assert (await q.place(engines)).engine_id == "b"
+        assert await q.active_counts() == {"a": 2, "b": 3}
+        # A release frees a slot at once (admission does not wait for the next load report).
+        assert await q.release("r0")
+        assert (await q.place(engines)).request_id == "r5"
+        assert await q.place([EngineRoom("a", 100, max_active=0)]) is None
+    run_with_queue(redis_url, body)
+
+
+def test_prefix_affinity_within_slack(redis_url):
+    async def body(q):
+        engines = [EngineRoom("a", 1000, max_active=8), EngineRoom("b", 1000, max_active=8)]
+        await q.enqueue("p1", b"", num_prompt_tokens=10, prefix="sys", now=1.0)
+        first = (await q.place(engines)).engine_id
+        other = "b" if first == "a" else "a"
+        # Same prefix again: its engine is 1/8 more loaded, within the slack of 0.25: affinity wins.
+        await q.enqueue("p2", b"", num_prompt_tokens=10, prefix="sys", now=2.0)
+        assert (await q.place(engines)).engine_id == first
+        # A different prefix goes to the least loaded engine.
+        await q.enqueue("x", b"", num_prompt_tokens=10, prefix="other", now=3.0)
+        assert (await q.place(engines)).engine_id == other
+        # `first` holds 2 and `other` 1; one more on `first`: the gap is 3/8 - 1/8, still within the slack.
+        await q.enqueue("y", b"", num_prompt_tokens=10, now=4.0)
+        await q.place([EngineRoom(first, 1000, 8)])
+        await q.enqueue("p3", b"", num_prompt_tokens=10, prefix="sys", now=5.0)
+        assert (await q.place(engines)).engine_id == first
+        # Now 4/8 against 1/8: beyond the slack, the least loaded engine takes it (and the prefix moves).
+        await q.enqueue("p4", b"", num_prompt_tokens=10, prefix="sys", now=6.0)
+        assert (await q.place(engines)).engine_id == other
+        await q.enqueue("p5", b"", num_prompt_tokens=10, prefix="sys", now=7.0)
+        assert (await q.place(engines)).engine_id == other
+    run_with_queue(redis_url, body, affinity_slack=0.25)
+
+
+def test_owner_is_told_of_admission_and_lapsed_leases_are_reaped(redis_url):
+    async def body(q):
+        client = aioredis.Redis.from_url(redis_url)
+        pubsub = client.pubsub()
+        await pubsub.subscribe(q.admitted_channel("router-b"))
+        await pubsub.get_message(timeout=1)  # the subscribe confirmation
+        await q.renew_lease("router-b", 0.3)
+        # An enqueue renews its owner's lease: no reap can come before the owner's first renewal.
+        await q.enqueue("mine", b"", num_prompt_tokens=1, owner="router-a", now=1.0, lease_ttl_s=30)
+        await q.enqueue("theirs", b"", num_prompt_tokens=1, owner="router-b", now=2.0)
+        await q.enqueue("queued", b"", num_prompt_tokens=1, owner="router-b", now=3.0)
+        assert (await q.place([EngineRoom("e", 100)], caller="router-a")).owner == "router-a"
+        admitted = await q.place([EngineRoom("e", 100)], caller="router-a")
+        assert (admitted.request_id, admitted.owner) == ("theirs", "router-b")
+        message = await pubsub.get_message(timeout=2)
+        assert message["data"] == b"theirs e"
+        assert await q.reap() == []
+        await asyncio.sleep(0.4)  # router-b's lease lapses: its queued and admitted entries go
+        assert sorted(await q.reap()) == ["queued", "theirs"]
+        assert await q.depth() == 0 and await q.admitted_to("e") == ["mine"]
+        assert await q.active_counts() == {"e": 1}
+        await q.enqueue("theirs", b"", num_prompt_tokens=1, now=4.0)  # the id is free again
+        await pubsub.aclose()
+        await client.aclose()
+    run_with_queue(redis_url, body)
+
+
+def test_admission_rate_counts_recent_admissions(redis_url):
+    async def body(q):
+        assert await q.admission_rate(10.0) == (0, 0.0)
+        for i in range(5):
+            await q.enqueue(f"r{i}", b"", num_prompt_tokens=1)
+            await q.admit("e", 100)
+            await asyncio.sleep(0.02)
+        n, age = await q.admission_rate(10.0)
+        assert n == 5 and 0.06 <= age < 5.0
+        assert (await q.admission_rate(0.001))[0] <= 1
+    run_with_queue(redis_url, body)
 
 
 # --- Property test: the queue matches a plain-Python reference model of the rules. ---
@@ -264,23 +376,26 @@ _ops = st.lists(st.one_of(
     st.tuples(st.just("release"), _ids),
     st.tuples(st.just("requeue"), _ids),
     st.tuples(st.just("cancel"), _ids),
+    st.tuples(st.just("started"), _ids),
 ), min_size=1, max_size=40)
 
 
 class _Model:
     def __init__(self):
-        self.live = {}  # id -> dict(key=(score, seq), tokens, skips, admitted)
+        self.live = {}  # id -> dict(key=(score, seq), tokens, skips, admitted, reserved)
         self.seq = 0
 
     def queued(self):
         return sorted((r["key"], rid) for rid, r in self.live.items() if not r["admitted"])
 
     def admit(self, free):
+        # Requests admitted and not yet started hold their tokens of the engine's reported room.
+        free -= sum(r["tokens"] for r in self.live.values() if r["reserved"])
         skipped = []
         for _, rid in self.queued():
             r = self.live[rid]
             if r["tokens"] <= free:
-                r["admitted"] = True
+                r["admitted"] = r["reserved"] = True
                 for s in skipped:
                     self.live[s]["skips"] += 1
                 return rid
@@ -312,7 +427,7 @@ def test_queue_matches_reference_model(redis_url, ops):
                 else:
                     model.seq += 1
                     model.live[rid] = {"key": (now - min(priority * _STEP, _BOOST), model.seq), "tokens": tokens,
-                                       "skips": 0, "admitted": False}
+                                       "skips": 0, "admitted": False, "reserved": False}
                     pos = await q.enqueue(rid, rid.encode(), priority=priority, num_prompt_tokens=tokens, now=now)
                     assert pos == [r for _, r in model.queued()].index(rid)
             elif kind == "admit":
@@ -333,11 +448,17 @@ def test_queue_matches_reference_model(redis_url, ops):
                 was_admitted = rid in model.live and model.live[rid]["admitted"]
                 pos = await q.requeue(rid)
                 if was_admitted:
-                    model.live[rid]["admitted"] = False
+                    model.live[rid]["admitted"] = model.live[rid]["reserved"] = False
                     requeued[(rid, incarnation[rid])] += 1
                     assert pos == [r for _, r in model.queued()].index(rid)
                 else:
                     assert pos is None
+            elif kind == "started":
+                rid = args[0]
+                was_reserved = rid in model.live and model.live[rid]["reserved"]
+                assert await q.started(rid) == was_reserved
+                if was_reserved:
+                    model.live[rid]["reserved"] = False
             else:  # cancel
                 rid = args[0]
                 was_queued = rid in model.live and not model.live[rid]["admitted"]
@@ -347,6 +468,9 @@ def test_queue_matches_reference_model(redis_url, ops):
                     incarnation[rid] += 1
             queued = [r for _, r in model.queued()]
             assert await q.depth() == len(queued)
+            assert await q.queued_tokens() == sum(model.live[r]["tokens"] for r in queued)
+            admitted = [r for r, v in model.live.items() if v["admitted"]]
+            assert await q.active_counts() == ({"e": len(admitted)} if admitted else {})
             for i, rid in enumerate(queued):
                 assert await q.position(rid) == i
             assert sorted(await q.admitted_to("e")) == sorted(r for r, v in model.live.items() if v["admitted"])

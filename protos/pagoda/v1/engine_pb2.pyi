@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class GenerateRequest(_message.Message):
+class EngineGenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "prompt_token_ids", "sampling_params", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -27,7 +27,7 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class GenerateResponse(_message.Message):
+class EngineGenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunks", "finished", "usage", "timings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]

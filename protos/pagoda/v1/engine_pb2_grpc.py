@@ -37,8 +37,8 @@ class EngineStub:
         """
         self.Generate = channel.unary_stream(
                 '/pagoda.v1.Engine/Generate',
-                request_serializer=pagoda_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=pagoda_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
+                request_serializer=pagoda_dot_v1_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_engine__pb2.EngineGenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pagoda.v1.Engine/Abort',
@@ -95,8 +95,8 @@ def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=pagoda_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
-                    response_serializer=pagoda_dot_v1_dot_engine__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pagoda_dot_v1_dot_engine__pb2.EngineGenerateRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_engine__pb2.EngineGenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -139,8 +139,8 @@ class Engine:
             request,
             target,
             '/pagoda.v1.Engine/Generate',
-            pagoda_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
-            pagoda_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
+            pagoda_dot_v1_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
+            pagoda_dot_v1_dot_engine__pb2.EngineGenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

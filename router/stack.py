@@ -1,0 +1,147 @@
+"""The local stack without Docker (``make run`` / ``python -m router stack``): a redis-server on a
+free port, one engine with the bundled model, one router; demo prompts through the router; the
+answers and queue/latency figures printed; everything stopped on exit (Ctrl-C included)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+DEMO_PROMPTS = ["Hello, my name is", "The capital of France is", "The future of AI is", "def fibonacci(n):",
+                "Three facts about the moon:", "A haiku about autumn:"]
+DEMO_CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+REDIS_MISSING = """redis-server was not found on PATH. The local stack starts its own Redis; install it with
+    Debian/Ubuntu:  sudo apt-get install redis-server
+    macOS:          brew install redis
+    Fedora:         sudo dnf install redis
+or run the Docker stack instead: docker compose up"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_redis(port: int, proc: subprocess.Popen, timeout: float = 15) -> None:
+    import redis
+
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("redis-server did not start")
+            time.sleep(0.05)
+
+
+def _wait_serving(target: str, procs: list[subprocess.Popen], timeout: float = 600) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.insecure_channel(target)
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    last_note = 0.0
+    while True:
+        for p in procs:
+            if p.poll() is not None:
+                raise SystemExit(f"a stack process exited with {p.returncode}; see the logs above")
+        try:
+            if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                channel.close()
+                return
+        except grpc.RpcError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit("the router did not become SERVING in time")
+        if time.monotonic() - last_note > 10:
+            print("  waiting for the engine to load the model and register ...", flush=True)
+            last_note = time.monotonic()
+        time.sleep(0.25)
+
+
+async def _demo(target: str, max_tokens: int) -> None:
+    from router.client import AsyncRouterClient
+
+    async with AsyncRouterClient(target) as client:
+        models = await client.list_models()
+        print(f"\nmodels: {', '.join(f'{m.id} (max_model_len {m.max_model_len}, {m.num_engines} engine)' for m in models)}")
+        t0 = time.perf_counter()
+        jobs = [client.generate(p, max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=i)
+                for i, p in enumerate(DEMO_PROMPTS)]
+        jobs.append(client.generate(messages=DEMO_CHAT, max_tokens=max_tokens, temperature=0.0))
+        results = await asyncio.gather(*jobs)
+        elapsed = time.perf_counter() - t0
+    prompts = DEMO_PROMPTS + [f"[chat] {DEMO_CHAT[0]['content']}"]
+    for prompt, r in zip(prompts, results):
+        t = r.timings
+        print(f"\n--- {prompt!r}\n{r.text}\n[finish_reason={r.outputs[0].finish_reason}, "
+              f"{r.usage.completion_tokens} tokens, queue {t.queue_time_s * 1e3:.1f} ms, TTFT {t.ttft_s * 1e3:.0f} ms, "
+              f"e2e {t.e2e_s * 1e3:.0f} ms]")
+    tokens = sum(r.usage.completion_tokens for r in results)
+    queue = [r.timings.queue_time_s * 1e3 for r in results]
+    ttft = [r.timings.ttft_s * 1e3 for r in results]
+    print(f"\n{len(results)} requests through the router in {elapsed:.2f} s: {tokens} tokens ({tokens / elapsed:.1f} tok/s); "
+          f"queue time p50 {statistics.median(queue):.1f} ms / max {max(queue):.1f} ms; "
+          f"TTFT p50 {statistics.median(ttft):.0f} ms / max {max(ttft):.0f} ms")
+
+
+def main(args: argparse.Namespace) -> None:
+    if shutil.which("redis-server") is None:
+        sys.exit(REDIS_MISSING)
+    workdir = tempfile.mkdtemp(prefix="pagoda-stack-")
+    redis_port, engine_port, router_port = _free_port(), _free_port(), _free_port()
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    target = f"127.0.0.1:{router_port}"
+    procs: list[subprocess.Popen] = []
+    log_level = ["--log-level", "WARNING"]
+    try:
+        print(f"redis-server on 127.0.0.1:{redis_port}")
+        procs.append(subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                       "--appendonly", "no", "--dir", workdir],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        _wait_redis(redis_port, procs[-1])
+        print(f"engine ({args.model}, {args.dtype}) on 127.0.0.1:{engine_port}")
+        procs.append(subprocess.Popen([sys.executable, "-m", "engine_service", "serve", "--model", args.model,
+                                       "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(engine_port),
+                                       "--metrics-port", str(_free_port()), "--redis-url", redis_url, *log_level]))
+        print(f"router on {target}")
+        procs.append(subprocess.Popen([sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port",
+                                       str(router_port), "--metrics-port", str(_free_port()), "--redis-url",
+                                       redis_url, *log_level]))
+        _wait_serving(target, procs)
+        asyncio.run(_demo(target, args.max_tokens))
+        if args.keep_running:
+            print(f"\nserving on {target} (python -m router generate --target {target} \"...\"); Ctrl-C stops")
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in reversed(procs):
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+        print("stack stopped")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from router.__main__ import build_parser
+
+    main(build_parser().parse_args(["stack", *sys.argv[1:]]))
