@@ -41,7 +41,8 @@ def _cache_root() -> Path:
 
 
 def _host_tag() -> str:
-    """Key of what the build depends on besides the source: CPU features (-march=native), torch, python."""
+    """Key of what the build depends on besides the source: CPU features (-march=native), torch,
+    python and its environment."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -52,7 +53,10 @@ def _host_tag() -> str:
                     break
     except OSError:
         flags = platform.processor()
-    key = "|".join([flags, torch.__version__, sys.version.split()[0], platform.machine(), " ".join(_CFLAGS)])
+    # sys.prefix: the build files name the venv's include paths, so two venvs sharing one build
+    # directory would rebuild each other's extension on every start.
+    key = "|".join([flags, torch.__version__, sys.version.split()[0], platform.machine(), " ".join(_CFLAGS),
+                    sys.prefix])
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
