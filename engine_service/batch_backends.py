@@ -268,8 +268,9 @@ class RouterClient(GenerateClient):
             fields["prompt"] = req.prompt
         else:
             fields["prompt_token_ids"] = pb2.PromptTokenIds(ids=req.prompt)
-        if req.model:
-            fields["model"] = req.model
+        # A row's body.model is echoed in its output, not sent: batch files name OpenAI models
+        # ("gpt-4o-mini") that the router would refuse; a cluster serving several models would
+        # need a flag to route by it.
         message = pb2.GenerateRequest(request_id=request_id, sampling=sampling_params_to_proto(req.params), **fields)
         texts: dict[int, list[str]] = {}
         num_tokens: dict[int, int] = {}
@@ -362,7 +363,9 @@ class RemoteBackend:
                 return await self.client.generate(req, f"{request_id}-{attempt}" if attempt else request_id)
             except grpc.aio.AioRpcError as e:
                 if e.code() not in retryable:
-                    raise RowError(e.code().name.lower(), e.details() or e.code().name) from None
+                    # The same code as the in-process path for the same bad row.
+                    code = "invalid_request" if e.code() == grpc.StatusCode.INVALID_ARGUMENT else e.code().name.lower()
+                    raise RowError(code, e.details() or e.code().name) from None
                 if attempt >= self.max_retries:
                     raise BackendUnavailable(f"{self.client.__class__.__name__} {getattr(self.client, 'target', '')}: "
                                              f"{e.code().name} after {attempt + 1} tries: {e.details()}") from None

@@ -17,9 +17,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from engine_service import EngineConfig, LLMEngine
 from engine_service.batch import DuplicateIds, main, read_done, run_job
-from engine_service.batch_backends import EngineClient, LocalBackend, RemoteBackend
 from engine_service.batch_rows import RowError, parse_row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,28 +214,25 @@ def rows_file(tmp_path_factory) -> tuple[Path, list[str], dict[str, str]]:
     return path, lines, bad
 
 
-@pytest.fixture(scope="module")
-def engine(bundled_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=None, dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20))
-
-
 @pytest.mark.slow
-def test_200_rows_in_process_give_200_rows_with_ids_matched(rows_file, engine, tmp_path):
+def test_200_rows_in_process_give_200_rows_with_ids_matched(rows_file, tmp_path, capsys):
     path, lines, bad = rows_file
     out = tmp_path / "results.jsonl"
-    summary = run_job(str(path), str(out), LocalBackend(engine), progress=False, model_name="bundled")
+    summary_file = tmp_path / "summary.json"
+    # The command line's own entry point, in this process: the engine is built from its options.
+    assert main(["--input", str(path), "--output", str(out), "--no-progress", "--summary-json", str(summary_file),
+                 *ENGINE_ARGS]) == 0
     rows = check_results(lines, bad, out)
-    assert (summary.rows_total, summary.rows_ok, summary.rows_failed, summary.rows_skipped) == (200, 190, 10, 0)
-    assert summary.completion_tokens == sum(r["response"]["body"]["usage"]["completion_tokens"]
-                                            for r in rows.values() if r["response"])
-    assert not engine.has_unfinished_requests()
+    summary = json.loads(summary_file.read_text())
+    assert (summary["rows_total"], summary["rows_ok"], summary["rows_failed"], summary["rows_skipped"]) == \
+        (200, 190, 10, 0)
+    assert summary["completion_tokens"] == sum(r["response"]["body"]["usage"]["completion_tokens"]
+                                               for r in rows.values() if r["response"])
+    assert "190 ok, 10 failed" in capsys.readouterr().err
     # The prompt-too-long and invalid-regex rows say why.
     assert "max_model_len is 512" in rows["row-40"]["error"]["message"]
     assert "structured_outputs.regex is invalid" in rows["row-80"]["error"]["message"]
-    # Running again finds everything done and adds nothing.
-    again = run_job(str(path), str(out), LocalBackend(engine), progress=False)
-    assert (again.rows_skipped, again.rows_done) == (200, 0)
-    assert len(out.read_text().splitlines()) == 200
+    assert rows["row-10"]["response"]["body"]["model"] == "SmolLM2-135M-Instruct"
 
 
 def wait_for_rows(path: Path, count: int, proc: subprocess.Popen, timeout: float = 300) -> int:
@@ -256,9 +251,10 @@ def batch_command(*args: str) -> list[str]:
 
 
 def kill_then_resume(path: Path, out: Path, lines: list[str], bad: dict[str, str], args: list[str],
-                     kill_after: int) -> None:
-    """Run the job as a subprocess, SIGKILL it once ``kill_after`` rows are out, resume, check each id once."""
-    proc = subprocess.Popen(batch_command("--input", str(path), "--output", str(out), *args), cwd=ROOT,
+                     first_run_args: list[str], kill_after: int) -> None:
+    """Run the job as a subprocess (with ``first_run_args`` too), SIGKILL it once ``kill_after`` rows are
+    out, resume, check each id once."""
+    proc = subprocess.Popen(batch_command("--input", str(path), "--output", str(out), *args, *first_run_args), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_rows(out, kill_after, proc)
@@ -277,14 +273,6 @@ def kill_then_resume(path: Path, out: Path, lines: list[str], bad: dict[str, str
     done_now, skipped = int(m.group(1)), int(m.group(4))
     assert skipped >= written - 1 and done_now + skipped == 200, resumed.stderr[-2000:]
     check_results(lines, bad, out)
-
-
-@pytest.mark.slow
-def test_in_process_job_killed_half_way_resumes_with_each_id_once(rows_file, tmp_path):
-    path, lines, bad = rows_file
-    out = tmp_path / "results.jsonl"
-    # Few rows in flight so that rows come out steadily and the kill lands in the middle.
-    kill_then_resume(path, out, lines, bad, [*ENGINE_ARGS, "--max-in-flight", "8"], kill_after=60)
 
 
 def free_port() -> int:
@@ -310,17 +298,12 @@ def engine_service(bundled_dir):
 
 
 @pytest.mark.slow
-def test_200_rows_through_the_engine_service_then_a_killed_client_resumes(rows_file, engine_service, tmp_path):
+def test_200_rows_through_the_engine_service_killed_half_way_then_resumed(rows_file, engine_service, tmp_path):
+    """The job's client is killed with SIGKILL while its streams are open (the engine aborts them);
+    the re-run, a new client, finishes the job: 200 rows, each id once, bad rows as error rows."""
     path, lines, bad = rows_file
     out = tmp_path / "results.jsonl"
-    backend = RemoteBackend(EngineClient(engine_service), concurrency=32)
-    summary = run_job(str(path), str(out), backend, progress=False)
-    check_results(lines, bad, out)
-    assert (summary.rows_ok, summary.rows_failed) == (190, 10)
+    kill_then_resume(path, out, lines, bad, ["--engine", engine_service], ["--concurrency", "8"], kill_after=60)
     rows = output_rows(out)
-    assert backend.model_name and rows["row-10"]["response"]["body"]["model"] == backend.model_name
-
-    # A client killed with SIGKILL while its streams are open: the engine aborts them, the re-run
-    # (a new client) finishes the job, each id once.
-    out2 = tmp_path / "results-killed.jsonl"
-    kill_then_resume(path, out2, lines, bad, ["--engine", engine_service, "--concurrency", "8"], kill_after=60)
+    assert rows["row-10"]["response"]["body"]["model"] == "SmolLM2-135M-Instruct"
+    assert "max_model_len is 512" in rows["row-40"]["error"]["message"]
