@@ -37,9 +37,10 @@ def _one_line(message: str) -> str:
 
 
 def _import_llguidance():
+    # Not llguidance.torch: it applies torch.compile at import, which imports torch._dynamo (seconds);
+    # its fill helper is the one call GrammarMasker.fill makes directly.
     import llguidance
     import llguidance.hf
-    import llguidance.torch
 
     return llguidance
 
@@ -121,9 +122,9 @@ class GrammarMasker:
         k = len(matchers)
         if self._bitmask.shape[0] < k:
             self._bitmask = torch.empty(max(k, 2 * self._bitmask.shape[0]), self.num_words, dtype=torch.int32)
-        bitmask = self._bitmask[:k]
-        self._llg.torch.fill_next_token_bitmask_par(
-            self._executor, [(m._matcher, i) for i, m in enumerate(matchers)], bitmask)
+        bitmask = self._bitmask[:k]  # contiguous CPU int32 rows, as the library writes them
+        self._executor.unsafe_compute_mask_ptr([(m._matcher, i) for i, m in enumerate(matchers)],
+                                               bitmask.data_ptr(), self.num_words * 4, k)
         return bitmask
 
     def additive_mask(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
