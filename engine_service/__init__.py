@@ -3,6 +3,6 @@ from engine_service.config import EngineConfig
 from engine_service.llm import LLM
 from engine_service.llm_engine import LLMEngine
 from engine_service.outputs import CompletionOutput, Logprob, RequestOutput
-from engine_service.sampling_params import SamplingParams
+from engine_service.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]

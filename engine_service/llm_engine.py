@@ -45,6 +45,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config)
         self.requests: dict[str, Request] = {}
         self._child_seeds = itertools.count(1)
+        self._structured_output = None  # StructuredOutputManager, made at the first constrained request
+        self.num_structured_requests = 0  # live requests with structured_outputs
         max_concurrency = config.num_kv_blocks * config.block_size / config.max_model_len
         logger.info(
             "engine ready in %.1f s: model %s (%s), dtype %s (matmuls in %s), %d KV blocks of %d tokens "
@@ -101,14 +103,20 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids contains {bad_stop[0]}, outside the vocabulary [0, {self.vocab_size})")
+        grammar_key = None
+        if params.structured_outputs is not None:
+            grammar_key = self.structured_output.compile(params.structured_outputs)
         room = self.config.max_model_len - len(token_ids)
         params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         params.min_tokens = min(params.min_tokens, params.max_tokens)
         request = Request(request_id, text, token_ids, params,
-                          RequestMetrics(arrival_time if arrival_time is not None else time.time()), priority)
+                          RequestMetrics(arrival_time if arrival_time is not None else time.time()), priority,
+                          grammar_key=grammar_key)
         seq = self._new_sequence(request, 0, list(token_ids))
         seq.num_pending_forks = params.n - 1
         self.requests[request_id] = request
+        if grammar_key is not None:
+            self.num_structured_requests += 1
         self.scheduler.add(seq)
         return request
 
@@ -120,6 +128,8 @@ class LLMEngine:
         seq = Sequence(request, index, token_ids, generator)
         if params.detokenize:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+        if request.grammar_key is not None:
+            seq.grammar = self.structured_output.new_matcher(request.grammar_key, params.structured_outputs)
         request.seqs.append(seq)
         return seq
 
@@ -129,7 +139,7 @@ class LLMEngine:
             request_ids = [request_ids]
         outputs = []
         for rid in request_ids:
-            request = self.requests.pop(rid, None)
+            request = self._pop_request(rid)
             if request is None:
                 continue
             for seq in request.seqs:
@@ -139,6 +149,21 @@ class LLMEngine:
             request.metrics.finished_time = time.time()
             outputs.append(self._make_output(request, set()))
         return outputs
+
+    def _pop_request(self, request_id: str) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and request.grammar_key is not None:
+            self.num_structured_requests -= 1
+        return request
+
+    @property
+    def structured_output(self):
+        """The ``StructuredOutputManager`` (made on first use: it loads llguidance and indexes the vocabulary)."""
+        if self._structured_output is None:
+            from engine_service.structured_output import StructuredOutputManager
+
+            self._structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._structured_output
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -158,7 +183,8 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
             if seq.num_pending_forks and seq.num_computed_tokens + n == seq.num_tokens:
                 forks[seq.seq_id] = self._fork(seq, seq.num_computed_tokens + n)
-        sampled, sampler_out = self.runner.execute(out, forks)
+        sampled, sampler_out = self.runner.execute(
+            out, forks, self._structured_output if self.num_structured_requests else None)
         for seq, n in zip(out.seqs, out.num_new_tokens):
             seq.num_computed_tokens += n
         if sampler_out is None:
@@ -189,6 +215,8 @@ class LLMEngine:
                 seq.cumulative_logprob += logprob_rows[row][0]
                 seq.logprobs.append(logprob_rows[row][1])
             status = self._check_stop(seq, token)
+            if seq.grammar is not None and self._advance_grammar(seq, token) and status is None:
+                status = SequenceStatus.FINISHED_STOPPED
             if status is not None:
                 self.scheduler.finish(seq, status)
             touched.setdefault(request.request_id, set()).add(seq.seq_id)
@@ -197,7 +225,7 @@ class LLMEngine:
             request = self.requests[rid]
             if request.is_finished:
                 request.metrics.finished_time = now
-                del self.requests[rid]
+                self._pop_request(rid)
             outputs.append(self._make_output(request, seq_ids))
         return outputs
 
@@ -221,6 +249,16 @@ class LLMEngine:
             entry.setdefault(token_ids[row], Logprob(lps[row]))
             rows.append((lps[row], entry))
         return rows
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> bool:
+        """Move the sequence's grammar past ``token``; True when the grammar is complete (stop there)."""
+        if not seq.grammar.accept(token):
+            # Only reachable when every allowed token was also forbidden by something else; end
+            # the sequence rather than emit text the grammar rejects.
+            logger.warning("request %s: token %d is outside its structured_outputs grammar (%s); stopping",
+                           seq.request.request_id, token, seq.grammar.error)
+            return True
+        return seq.grammar.is_terminated
 
     def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
         params = seq.params

@@ -78,10 +78,12 @@ class ModelRunner:
     # ---- the step -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, forks: dict[int, list[Sequence]]) -> tuple[list[Sequence], SamplerOutput | None]:
+    def execute(self, out: SchedulerOutput, forks: dict[int, list[Sequence]],
+                structured_output=None) -> tuple[list[Sequence], SamplerOutput | None]:
         """Run one step. Returns the sequences that got a new token (in row order) and the
         sampler's output. ``forks`` maps a parent seq_id to the children that sample from the
-        parent's logits row this step (``n > 1``)."""
+        parent's logits row this step (``n > 1``). ``structured_output`` (a
+        ``StructuredOutputManager``) is passed only while some live request is constrained."""
         self._move_blocks(out)
         if not out.seqs:
             return [], None
@@ -153,5 +155,6 @@ class ModelRunner:
             prompt_token_ids=[s.request.prompt_token_ids for s in sampled],
             output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in sampled],
             generators=[s.generator for s in sampled],
+            structured=structured_output.batch(sampled) if structured_output is not None else None,
         )
         return sampled, self.sampler(logits, batch)

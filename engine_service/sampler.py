@@ -1,4 +1,5 @@
-"""Batched token sampler: penalties, min_tokens, temperature, min_p / top_k / top_p, logprobs.
+"""Batched token sampler: structured-output masks, penalties, min_tokens, temperature, min_p /
+top_k / top_p, logprobs.
 
 Semantics follow vLLM V1's sampler. Every stage works on whole [rows, vocab] tensors and is
 skipped when no row needs it; the only per-row Python work is building small parameter tensors
@@ -8,10 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_service.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_service.structured_output import StructuredBatch
 
 _NEG_INF = float("-inf")
 
@@ -24,6 +29,7 @@ class SamplingBatch:
     prompt_token_ids: list[list[int]]  # per row: the prompt (for repetition_penalty)
     output_token_ids: list[list[int]]  # per row: tokens generated so far (penalties, min_tokens)
     generators: list[torch.Generator | None]  # per row: a generator for seeded rows, None otherwise
+    structured: "StructuredBatch | None" = None  # the rows under a grammar; None when there are none
 
 
 @dataclass
@@ -67,11 +73,15 @@ class Sampler:
             i for i, p in enumerate(params) if len(batch.output_token_ids[i]) < p.min_tokens
         ]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not (random_rows or penalized or min_tokens_rows or num_logprobs):
+        structured = batch.structured
+        if not (random_rows or penalized or min_tokens_rows or num_logprobs or structured):
             return SamplerOutput(logits.argmax(-1), None, None, None)
 
         logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if num_logprobs else None
+        if structured is not None:
+            # First, as in vLLM: the grammar decides which tokens exist, the rest samples among them.
+            logits = structured.masker.apply(logits, structured)
         if penalized:
             logits = self._apply_penalties(logits, batch, penalized)
         if min_tokens_rows:

@@ -1,10 +1,74 @@
 """Per-request sampling parameters, with vLLM's field names and meanings."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json as _json
+from dataclasses import dataclass, field, fields
 
 # Temperatures below this are greedy (argmax), as in vLLM.
 SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a completion's text, enforced by token masking (vLLM's names).
+
+    Exactly one of: ``json`` (a JSON schema, as a dict or JSON text), ``regex``, ``choice`` (the
+    output is one of these strings), ``grammar`` (EBNF / GBNF, or Lark), ``json_object`` (any JSON
+    object). ``disable_any_whitespace`` makes JSON compact (no whitespace between tokens: fewer
+    tokens to generate). The shape is checked here; whether the schema, regex or grammar itself is valid is
+    checked when the engine compiles it at submission (``ValueError`` naming the field).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [name for name in self.KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("SamplingParams.structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {given or 'none'}")
+        prefix = "SamplingParams.structured_outputs"
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    _json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"{prefix}.json is not valid JSON: {e}") from None
+            elif not isinstance(self.json, (dict, bool)):
+                raise ValueError(f"{prefix}.json must be a JSON schema (a dict or JSON text), "
+                                 f"got {type(self.json).__name__}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"{prefix}.regex must be a non-empty string, got {self.regex!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError(f"{prefix}.grammar must be a non-empty string, got {self.grammar!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, (list, tuple)):
+                raise ValueError(f"{prefix}.choice must be a list of strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError(f"{prefix}.choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"{prefix}.json_object must be True or None, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """The name of the one field that is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(name for name in self.KINDS if getattr(self, name) not in (None, False))
+
+    def cache_key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints share one compiled grammar."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and not isinstance(value, str):
+            value = _json.dumps(value, sort_keys=True)
+        elif self.kind == "choice":
+            value = _json.dumps(value)
+        return self.kind + ("/compact" if self.disable_any_whitespace else ""), str(value)
 
 
 @dataclass
@@ -35,6 +99,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    # A JSON schema / regex / choice / grammar the output must follow (a dict is converted).
+    structured_outputs: StructuredOutputsParams | dict | None = None
     # Filled in by the engine from the model's generation config (EOS ids beyond the tokenizer's).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -43,6 +109,15 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - {f.name for f in fields(StructuredOutputsParams)}
+            if unknown:
+                raise ValueError(f"SamplingParams.structured_outputs has unknown keys {sorted(unknown)}; "
+                                 "use json, regex, choice, grammar or json_object")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("SamplingParams.structured_outputs must be a StructuredOutputsParams or a dict, "
+                             f"got {type(self.structured_outputs).__name__}")
         if self.top_k == -1:
             self.top_k = 0
         self._verify()

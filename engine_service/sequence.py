@@ -75,6 +75,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
         self.detokenizer = None  # set by the engine
+        self.grammar = None  # a GrammarMatcher when the request has structured_outputs (set by the engine)
         self.admitted_order = -1  # scheduler's admission counter: preempt the newest first
 
     @property
@@ -113,6 +114,7 @@ class Request:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
     priority: int = 0
     seqs: list[Sequence] = field(default_factory=list)
+    grammar_key: tuple[str, str] | None = None  # the compiled structured_outputs constraint, if any
 
     @property
     def num_prompt_tokens(self) -> int:

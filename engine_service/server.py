@@ -27,7 +27,7 @@ from engine_service.config import EngineConfig
 from engine_service.metrics import EngineMetrics
 from engine_service.model_loader import BUNDLED_GGUF_NAME, BUNDLED_MODEL
 from engine_service.outputs import RequestOutput
-from engine_service.sampling_params import SamplingParams
+from engine_service.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 logger = structlog.get_logger("pagoda.engine_service")
@@ -43,10 +43,20 @@ _ERROR_CODES = ((ValueError, grpc.StatusCode.INVALID_ARGUMENT), (DuplicateReques
 _OPTIONAL_PARAMS = ("n", "temperature", "top_p", "repetition_penalty", "seed", "logprobs", "skip_special_tokens")
 
 
+def structured_outputs_from_proto(p: common_pb2.StructuredOutputs) -> StructuredOutputsParams | None:
+    which = p.WhichOneof("kind")
+    if which is None:
+        return None
+    value = list(p.choice.choices) if which == "choice" else getattr(p, which)
+    return StructuredOutputsParams(**{which: value}, disable_any_whitespace=p.disable_any_whitespace)
+
+
 def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     """The proto's SamplingParams as the engine's; ValueError names a bad field. Unset max_tokens
     means up to max_model_len, as in vLLM's server."""
     kwargs = {name: getattr(p, name) for name in _OPTIONAL_PARAMS if p.HasField(name)}
+    if p.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from_proto(p.structured_outputs)
     return SamplingParams(
         top_k=p.top_k, min_p=p.min_p, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), include_stop_str_in_output=p.include_stop_str_in_output,
