@@ -12,9 +12,12 @@ Three kernels behind the interface of ``attention.py`` (KV cache per layer
   (flash-decoding, for long contexts or small batches) each split writes its normalised partial
   output and log-sum-exp, and stage 2 merges the splits.
 - ``prefill_attention``: the prefill chunks of a step back to back (ragged, no padding). One
-  program per (query tile, sequence, q head): first the context already in the paged cache
-  (``seq_len - query_len`` tokens, no mask), then the chunk's own K/V straight from the
-  projection output with a bottom-right-aligned causal mask.
+  program per (query tile, sequence, kv head): the tile's rows are (token, q head) pairs of the
+  q heads sharing that kv head (GQA packing; a group larger than the tile takes several
+  programs), so each K/V tile serves the whole group. It attends first to the context already in
+  the paged cache (``seq_len - query_len`` tokens, no mask), then to the chunk's own K/V straight
+  from the projection output with a bottom-right-aligned causal mask, applied per token (row r is
+  token r // heads per program).
 
 Head sizes that are not a power of two (80, 96) run in a power-of-two tile with masked lanes.
 Accumulation is in float32. ``TRITON_INTERPRET=1`` (set before triton is imported) runs the same
@@ -43,9 +46,12 @@ DECODE_MAX_SPLITS = 64
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 2
-# Prefill: key tile; the query tile is min(128, next_pow2(max_query_len)), at least 16.
+# Prefill: key tile; the query tile is min(128, next_pow2(max_query_len * gqa_pack)) rows, at
+# least 16, and 64 when 128-row tiles would give fewer than PREFILL_MIN_PROGRAMS_PER_SM programs
+# per SM (measured on an H100: kernels/README.md).
 PREFILL_BLOCK_N = 64
 PREFILL_MAX_BLOCK_M = 128
+PREFILL_MIN_PROGRAMS_PER_SM = 4
 
 
 def interpreting() -> bool:
@@ -229,27 +235,33 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     stride_bt, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    # A program owns BLOCK_T query tokens x PACK q heads of one kv head (GQA packing): row r of its
+    # BLOCK_M-row tile is token r // PACK, q head r % PACK of the program's head block, so each K/V
+    # tile it loads serves all PACK heads. PACK = 1 is one program per q head.
     # Last query tiles first: under the causal mask they have the most keys to read.
     mb = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1)
-    h = tl.program_id(2)
-    kv_head = h // GROUP
+    head0 = tl.program_id(2) * PACK
+    kv_head = head0 // GROUP
     q_start = tl.load(cu_query_lens_ptr + b)
     q_len = tl.load(cu_query_lens_ptr + b + 1) - q_start
-    if mb * BLOCK_M >= q_len:
+    q_lo = mb * BLOCK_T
+    if q_lo >= q_len:
         return
     ctx_len = tl.load(seq_lens_ptr + b) - q_len
 
-    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = m < q_len
+    r = tl.arange(0, BLOCK_M)
+    m = q_lo + r // PACK  # the row's token in the chunk: the causal mask is per token
+    heads = head0 + r % PACK
+    m_mask = (r < BLOCK_T * PACK) & (m < q_len)
     rows = (q_start + m).to(tl.int64)
     d = tl.arange(0, D_PAD)
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST_DOT:
         q = q.to(tl.float32)
@@ -276,11 +288,11 @@ def _prefill_kernel(
                                      UPCAST_DOT, DOT_PRECISION)
 
     # 2. The chunk itself, read contiguously from k/v: query i sees chunk keys j <= i. Key tiles
-    #    wholly left of this query tile's first row are visible to every row (no mask); only the
-    #    tiles on the diagonal apply the causal mask. BLOCK_N divides BLOCK_M, so the interior
-    #    ends exactly at the tile's first row.
-    q_lo = mb * BLOCK_M
-    for n0 in range(0, q_lo, BLOCK_N):
+    #    wholly left of this query tile's first token are visible to every row (no mask); the
+    #    tiles from there to the tile's last token apply the causal mask. The first of them starts
+    #    at or before q_lo, so every row (padding rows too) has a visible key in its first tile.
+    interior = (q_lo // BLOCK_N) * BLOCK_N
+    for n0 in range(0, interior, BLOCK_N):
         kv_rows = (q_start + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
         k = tl.load(k_ptr + kv_rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
                     mask=d_mask[None, :], other=0.0)
@@ -288,8 +300,8 @@ def _prefill_kernel(
                     mask=d_mask[None, :], other=0.0)
         m_i, l_i, acc = _attend_tile(q, k, v, m_mask[:, None], m_i, l_i, acc, qk_scale,
                                      UPCAST_DOT, DOT_PRECISION, MASKED=False)
-    hi = tl.minimum(q_lo + BLOCK_M, q_len)
-    for n0 in range(q_lo, hi, BLOCK_N):
+    hi = tl.minimum(q_lo + BLOCK_T, q_len)
+    for n0 in range(interior, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < hi
         kv_rows = (q_start + n).to(tl.int64)
@@ -302,7 +314,7 @@ def _prefill_kernel(
         m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, UPCAST_DOT, DOT_PRECISION)
 
     o = acc / l_i[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+    tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
@@ -357,6 +369,13 @@ def decode_num_splits(batch: int, num_kv_heads: int, head_blocks: int, max_seq_l
     by_len = -(-max(1, max_seq_len) // DECODE_MIN_SPLIT_TOKENS)
     n = max(1, min(want, by_len, DECODE_MAX_SPLITS))
     return 1 << (n - 1).bit_length()  # round up: few distinct values, few compiled variants
+
+
+def prefill_gqa_pack(group: int, block_m: int = PREFILL_MAX_BLOCK_M) -> int:
+    """q heads per prefill program: the largest divisor of the GQA group that fits ``block_m`` rows
+    (the whole group for Llama's 4, SmolLM2's 3 or MQA up to 128 heads), so each K/V tile a program
+    loads serves that many heads."""
+    return max(p for p in range(1, min(group, block_m) + 1) if group % p == 0)
 
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -434,13 +453,19 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cac
                       seq_lens: torch.Tensor, scale: float, *, max_query_len: int | None = None,
                       out: torch.Tensor | None = None, block_m: int | None = None,
                       block_n: int = PREFILL_BLOCK_N, num_warps: int | None = None,
-                      num_stages: int | None = None) -> torch.Tensor:
+                      num_stages: int | None = None, gqa_pack: int | None = None,
+                      num_sms: int | None = None) -> torch.Tensor:
     """Causal attention for prefill chunks back to back: q [Tp, H, D], k/v [Tp, kv_heads, D].
 
     Sequence i's chunk is rows ``cu_query_lens[i]:cu_query_lens[i+1]`` (int32 [Bp+1]); its
     ``seq_lens[i] - query_len`` earlier tokens are read from the paged cache through
     ``block_tables[i]``, the chunk's own K/V from ``k``/``v`` (bottom-right-aligned causal mask).
     Returns [Tp, H, D] in q's dtype (``out`` if given).
+
+    ``block_m`` counts query rows per program: ``gqa_pack`` q heads of one kv head (a divisor of
+    the group; default ``prefill_gqa_pack``) times ``block_m // gqa_pack`` tokens. ``gqa_pack=1``
+    is one program per q head. ``num_sms`` (the GPU's, read from the device if not given) only
+    feeds the default ``block_m``.
     """
     _check_cache(key_cache, value_cache)
     tp, h, d = q.shape
@@ -460,22 +485,35 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cac
     if not max_query_len:
         max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max())
     d_pad = _pow2(d, 16)
+    group = h // kvh
+    if gqa_pack is None:
+        gqa_pack = prefill_gqa_pack(group, block_m or PREFILL_MAX_BLOCK_M)
+    if group % gqa_pack:
+        raise ValueError(f"gqa_pack={gqa_pack} must divide the GQA group ({group})")
     if block_m is None:
-        block_m = min(PREFILL_MAX_BLOCK_M, _pow2(max_query_len, 16))
-    block_n = min(block_n, block_m)  # the causal split into interior and diagonal tiles needs BLOCK_N | BLOCK_M
+        block_m = min(PREFILL_MAX_BLOCK_M, _pow2(max_query_len * gqa_pack, 16))
+        if block_m == 128 and gqa_pack <= 64:
+            if num_sms is None:
+                num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+            programs = triton.cdiv(max_query_len, 128 // gqa_pack) * num_seqs * (h // gqa_pack)
+            if programs < PREFILL_MIN_PROGRAMS_PER_SM * num_sms:
+                block_m = 64  # under ~4 programs per SM, 2 resident 64-row programs per SM win
+    if gqa_pack > block_m:
+        raise ValueError(f"gqa_pack={gqa_pack} q heads do not fit a {block_m}-row query tile")
+    block_t = block_m // gqa_pack  # query tokens per program
     upcast, precision = _dot_options(q.dtype)
     block_tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
     cu_query_lens = cu_query_lens if cu_query_lens.dtype == torch.int32 else cu_query_lens.to(torch.int32)
     seq_lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, h)
+    grid = (triton.cdiv(max_query_len, block_t), num_seqs, h // gqa_pack)
     _prefill_kernel[grid](
         q, k, v, key_cache, value_cache, block_tables, cu_query_lens, seq_lens, out, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=h // kvh, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
-        UPCAST_DOT=upcast, DOT_PRECISION=precision,
+        GROUP=group, PACK=gqa_pack, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=block_n,
+        PAGE_SIZE=page_size, UPCAST_DOT=upcast, DOT_PRECISION=precision,
         num_warps=num_warps or (8 if block_m * d_pad >= 128 * 128 else 4),
         num_stages=num_stages or (3 if d_pad <= 128 else 2),
     )
@@ -554,4 +592,4 @@ class TritonAttention(TorchAttention):
         c = meta.cache
         return prefill_attention(q, k, v, key_cache, value_cache, c["prefill_block_tables"],
                                  c["prefill_cu_query_lens"], c["prefill_seq_lens"], scale,
-                                 max_query_len=meta.max_prefill_query_len, out=out)
+                                 max_query_len=meta.max_prefill_query_len, out=out, num_sms=self.num_sms)

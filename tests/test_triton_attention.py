@@ -21,7 +21,7 @@ import triton  # noqa: E402,F401  (no skip: a missing triton must fail this modu
 from pagoda_kernels.attention import AttentionMetadata, TorchAttention, write_kv  # noqa: E402
 from pagoda_kernels.triton_attention import (  # noqa: E402
     TritonAttention, decode_num_splits, interpreting, paged_decode_attention, prefill_attention,
-    reshape_and_cache)
+    prefill_gqa_pack, reshape_and_cache)
 
 DEVICE = torch.device("cpu" if interpreting() else "cuda")
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
@@ -267,11 +267,13 @@ def ref_prefill(q, kc, vc, bt, chunks, scale):
 
 
 @pytest.mark.parametrize("dtype,h,kvh,d,bs", [
-    (FP32, 4, 4, 64, 16),
-    (BF16, 8, 2, 128, 32),
-    (FP16, 4, 1, 80, 16),
-    (BF16, 6, 2, 96, 16),
-    (FP32, 6, 3, 96, 32),
+    (FP32, 4, 4, 64, 16),  # MHA: nothing to pack
+    (BF16, 8, 2, 128, 32),  # group 4
+    (FP16, 4, 1, 80, 16),  # MQA, group 4
+    (BF16, 6, 2, 96, 16),  # group 3: 16-row tiles hold 5 tokens and a padding row
+    (FP32, 6, 3, 96, 32),  # group 2
+    (FP32, 14, 2, 64, 16),  # group 7: 16-row tiles hold 2 tokens and 2 padding rows
+    (FP16, 24, 1, 64, 16),  # MQA, group 24: 16-row tiles hold 12 heads x 1 token, two programs per kv head
 ])
 def test_prefill_matches_reference(dtype, h, kvh, d, bs):
     g = torch.Generator().manual_seed(h * 1000 + d + bs)
@@ -279,23 +281,49 @@ def test_prefill_matches_reference(dtype, h, kvh, d, bs):
     scale = 1 / math.sqrt(d)
     ref = ref_prefill(q, kc, vc, bt, CHUNKS, scale)
     args = dev(q, k, v, kc, vc, bt, cu, sl)
-    # Small tiles (several query tiles per chunk, partial diagonal tiles), then the launch defaults.
-    for block_m, block_n in ((16, 16), (None, 64)):
+    # (block_m, block_n, gqa_pack): small packed tiles (few tokens per tile, key tiles wider than a
+    # query tile's tokens, partial diagonal tiles), the launch defaults, and one program per q head
+    # (slow in the interpreter for the large groups).
+    configs = [(16, 16, None), (None, 64, None)] + ([(32, 16, 1)] if h // kvh <= 4 else [])
+    for block_m, block_n, pack in configs:
         out = torch.full_like(args[0], NAN)
-        res = prefill_attention(*args, scale, max_query_len=50, out=out, block_m=block_m, block_n=block_n)
+        res = prefill_attention(*args, scale, max_query_len=50, out=out, block_m=block_m, block_n=block_n,
+                                gqa_pack=pack)
         assert res is out
         assert_close(out, ref, dtype)
 
 
+def test_prefill_gqa_pack_choice():
+    assert prefill_gqa_pack(1) == 1
+    assert prefill_gqa_pack(4) == 4  # Llama-8B: the whole group in one program
+    assert prefill_gqa_pack(3) == 3 and prefill_gqa_pack(7) == 7
+    assert prefill_gqa_pack(32, 16) == 16  # more heads than rows: the group takes two programs
+    assert prefill_gqa_pack(24, 16) == 12
+    g = torch.Generator().manual_seed(2)
+    args = dev(*make_prefill([(3, 5)], 32, 1, 64, 16, FP32, g))
+    with pytest.raises(ValueError, match="divide"):
+        prefill_attention(*args, 0.125, gqa_pack=3)
+    with pytest.raises(ValueError, match="fit"):
+        prefill_attention(*args, 0.125, block_m=16, gqa_pack=32)
+    # MQA with 128 q heads: one token per 128-row tile, so the few-programs rule keeps 128 rows.
+    chunks = [(3, 2)]
+    q, k, v, kc, vc, bt, cu, sl = make_prefill(chunks, 128, 1, 16, 16, FP32, g)
+    out = prefill_attention(*dev(q, k, v, kc, vc, bt, cu, sl), 0.25, num_sms=132)
+    assert_close(out, ref_prefill(q, kc, vc, bt, chunks, 0.25), FP32)
+
+
 def test_prefill_single_long_chunk_peaked():
-    """A 150-token chunk over 70 cached tokens with large logits, query tiles of 32."""
+    """A 150-token chunk over 70 cached tokens with large logits: 32-row query tiles packed (16
+    tokens x 2 heads) and per head (32 tokens), and 128-row packed tiles (64 tokens)."""
     g = torch.Generator().manual_seed(4)
     chunks = [(70, 150)]
     q, k, v, kc, vc, bt, cu, sl = make_prefill(chunks, 4, 2, 64, 16, FP32, g)
     q = q * 10  # logits with a standard deviation of 10: the running max moves tile to tile
     ref = ref_prefill(q, kc, vc, bt, chunks, 0.125)
-    out = prefill_attention(*dev(q, k, v, kc, vc, bt, cu, sl), 0.125, block_m=32, block_n=32)
-    assert_close(out, ref, FP32)
+    for block_m, pack in ((32, None), (32, 1), (128, None)):
+        out = prefill_attention(*dev(q, k, v, kc, vc, bt, cu, sl), 0.125, block_m=block_m, block_n=32,
+                                gqa_pack=pack)
+        assert_close(out, ref, FP32)
 
 
 # ---- the backend -------------------------------------------------------------------------------
