@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import math
 import statistics
 import sys
@@ -124,6 +125,11 @@ CUDA_PREFILL_CASES = [
     ("llama8b", 32, 8, 128, [(0, 1024)] * 4),
     ("llama8b", 32, 8, 128, [(3072, 1024)]),
     ("llama8b", 32, 8, 128, [(0, 512)] * 8),
+    # Short chunks after a long context (prefix-cache hits, the tail of a chunked prompt): fewer
+    # query tokens than a tile holds, where packing a GQA group's heads into the tile matters.
+    ("llama8b", 32, 8, 128, [(2048, 64)] * 16),
+    ("llama8b", 32, 8, 128, [(2048, 16)] * 16),
+    ("smollm2", 9, 3, 64, [(0, 4096)]),  # group 3
 ]
 CUDA_WRITE_TOKENS = [64, 4096]
 
@@ -186,8 +192,9 @@ def _prefill_inputs(h, kvh, d, chunks, dtype, device, block_size=BLOCK_SIZE, see
 
 
 def run_triton_bench(device, dtype, dname, timer, peak_gbs, peak_tflops, decode_cases=None, prefill_cases=None,
-                     write_tokens=None):
-    """Print one table per kernel. ``timer(fn) -> seconds``; the case lists default to the CUDA ones."""
+                     write_tokens=None, baseline=None):
+    """Print one table per kernel. ``timer(fn) -> seconds``; the case lists default to the CUDA ones.
+    ``baseline``: a module whose ``prefill_attention`` (same signature) is timed beside the current one."""
     import torch.nn.functional as F
 
     from pagoda_kernels.attention import write_kv
@@ -225,9 +232,12 @@ def run_triton_bench(device, dtype, dname, timer, peak_gbs, peak_tflops, decode_
         del q, kc, vc, ref, dmeta
 
     print(f"\n== prefill ({dname}); floor = causal FLOPs / {peak_tflops:.0f} TFLOP/s; "
-          f"SDPA = dense causal attention on the chunks' own tokens (no paging, no cached context)")
+          f"SDPA = dense causal attention on the chunks' own tokens (no paging, no cached context); "
+          f"per-head = gqa_pack=1 (one program per q head); triton = the default (GQA group packed)"
+          + (f"; before = {baseline.__name__}" if baseline else ""))
     header = (f"{'model':8} {'H/KV/D':>10} {'chunks (context+query)':>24} {'GFLOP':>7} | {'floor us':>8} | "
-              f"{'sdpa us':>8} | {'triton us':>9} {'TFLOP/s':>7} {'%floor':>6} | {'max err':>8}")
+              f"{'sdpa us':>8} | " + (f"{'before us':>9} {'%floor':>6} | " if baseline else "")
+              + f"{'per-head us':>11} {'%floor':>6} | {'triton us':>9} {'TFLOP/s':>7} {'%floor':>6} | {'max err':>8}")
     print(header)
     print("-" * len(header))
     for label, h, kvh, d, chunks in prefill_cases or CUDA_PREFILL_CASES:
@@ -240,6 +250,12 @@ def run_triton_bench(device, dtype, dname, timer, peak_gbs, peak_tflops, decode_
 
         def tri():
             return prefill_attention(q, k, v, kc, vc, bt, cu, sl, scale, max_query_len=max_q)
+
+        def per_head():
+            return prefill_attention(q, k, v, kc, vc, bt, cu, sl, scale, max_query_len=max_q, gqa_pack=1)
+
+        def before():
+            return baseline.prefill_attention(q, k, v, kc, vc, bt, cu, sl, scale, max_query_len=max_q)
 
         def sdpa():
             outs, row = [], 0
@@ -257,12 +273,19 @@ def run_triton_bench(device, dtype, dname, timer, peak_gbs, peak_tflops, decode_
                 worst = max(worst, (o[row:row + n].float() - ref_o[0].transpose(0, 1).float()).abs().max().item())
                 row += n
             err = f"{worst:8.1e}"
+        for other in (per_head,) + ((before,) if baseline else ()):  # same function, other launch
+            worst = (other().float() - o.float()).abs().max().item()
+            if not worst < 2e-2:
+                print(f"!! {other.__name__} differs from the default launch by {worst:.1e}")
         t_tri = timer(tri)
+        t_head = timer(per_head)
+        t_before = timer(before) if baseline else None
         t_sdpa = timer(sdpa)
         desc = " ".join(f"{c}+{n}" for c, n in chunks[:2]) + (f" x{len(chunks)}" if len(chunks) > 2 else "")
+        before_cols = f"{t_before * 1e6:9.1f} {100 * floor / t_before:5.0f}% | " if baseline else ""
         print(f"{label:8} {f'{h}/{kvh}/{d}':>10} {desc:>24} {flops / 1e9:7.1f} | {floor * 1e6:8.1f} | "
-              f"{t_sdpa * 1e6:8.1f} | {t_tri * 1e6:9.1f} {flops / t_tri / 1e12:7.1f} {100 * floor / t_tri:5.0f}% | "
-              f"{err}", flush=True)
+              f"{t_sdpa * 1e6:8.1f} | {before_cols}{t_head * 1e6:11.1f} {100 * floor / t_head:5.0f}% | "
+              f"{t_tri * 1e6:9.1f} {flops / t_tri / 1e12:7.1f} {100 * floor / t_tri:5.0f}% | {err}", flush=True)
         del q, k, v, kc, vc
 
     print(f"\n== reshape_and_cache ({dname}, Llama-8B: 8 KV heads x 128); floor = read + write bytes / {peak_gbs:.0f} GB/s")
@@ -297,8 +320,9 @@ def bench_cuda(args):
     def timer(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode=args.stat) / 1e3
 
+    baseline = importlib.import_module(args.prefill_baseline) if args.prefill_baseline else None
     for dname in args.dtype:
-        run_triton_bench(device, DTYPES[dname], dname, timer, args.peak_gbs, args.peak_tflops)
+        run_triton_bench(device, DTYPES[dname], dname, timer, args.peak_gbs, args.peak_tflops, baseline=baseline)
 
 
 def main(argv=None):
@@ -312,6 +336,9 @@ def main(argv=None):
                    help="default: bf16 fp32 on cpu, bf16 on cuda")
     p.add_argument("--peak-gbs", type=float, default=3350.0, help="cuda: HBM bandwidth for the floors (H100 SXM)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="cuda: dense bf16/fp16 TFLOP/s (H100 SXM)")
+    p.add_argument("--prefill-baseline", default=None, metavar="MODULE",
+                   help="cuda: also time MODULE.prefill_attention (e.g. an older triton_attention.py copied "
+                        "into kernels/ as pagoda_kernels.old_attention) for before/after in one run")
     args = p.parse_args(argv)
     if args.dtype is None:
         args.dtype = ["bf16"] if args.device == "cuda" else ["bf16", "fp32"]

@@ -3,8 +3,9 @@
     python bench/triton_sweep.py [--out sweep.json] [--quick]
 
 For each decode case (bench/kernels.py's CUDA cases) it times BLOCK_N x num_warps x num_stages x
-split count (the heuristic's choice, half and double it); for each prefill case BLOCK_M x BLOCK_N x
-num_warps x num_stages. Every configuration is checked against the default one's output before
+split count (the heuristic's choice, half and double it); for each prefill case BLOCK_M (query rows)
+x BLOCK_N x num_warps x num_stages, with the GQA group packed into the query tile (and, with
+``--prefill-packs both``, one program per q head too). Every configuration is checked against the default one's output before
 it is timed (a configuration that changes the result is reported, not ranked). Timing:
 ``triton.testing.do_bench`` median, L2 flushed between calls. The defaults at the top of
 ``kernels/triton_attention.py`` come from this sweep (kernels/README.md has the table).
@@ -30,12 +31,15 @@ def main() -> int:
     import triton
     import triton.testing
 
-    from pagoda_kernels.triton_attention import decode_num_splits, paged_decode_attention, prefill_attention
+    from pagoda_kernels.triton_attention import (decode_num_splits, paged_decode_attention, prefill_attention,
+                                                 prefill_gqa_pack)
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="write every timing as JSON here")
     p.add_argument("--quick", action="store_true", help="a smaller grid")
     p.add_argument("--kernels", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
+    p.add_argument("--prefill-packs", default="packed", choices=["packed", "both"],
+                   help="prefill: sweep the packed launch only, or per-head (gqa_pack=1) too")
     p.add_argument("--peak-gbs", type=float, default=3350.0)
     p.add_argument("--peak-tflops", type=float, default=989.0)
     args = p.parse_args()
@@ -99,33 +103,38 @@ def main() -> int:
         max_q = max(n for _, n in chunks)
         flops = sum(4 * h * d * (n * c + n * (n + 1) // 2) for c, n in chunks)
         ref = prefill_attention(q, k, v, kc, vc, bt, cu, sl, scale, max_query_len=max_q).float()
-        grid = itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4])
+        group = h // kvh
+        packs = [prefill_gqa_pack(group)] + ([1] if args.prefill_packs == "both" and group > 1 else [])
+        grid = itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4], packs)
         if args.quick:
-            grid = itertools.product([64, 128], [64, 128], [4, 8], [2, 3])
+            grid = itertools.product([64, 128], [64, 128], [4, 8], [2, 3], packs)
         rows = []
-        for block_m, block_n, warps, stages in grid:
+        for block_m, block_n, warps, stages, pack in grid:
             def fn():
                 return prefill_attention(q, k, v, kc, vc, bt, cu, sl, scale, max_query_len=max_q, block_m=block_m,
-                                         block_n=block_n, num_warps=warps, num_stages=stages)
+                                         block_n=block_n, num_warps=warps, num_stages=stages, gqa_pack=pack)
+            cfg = dict(block_m=block_m, block_n=block_n, warps=warps, stages=stages, pack=pack)
             try:
                 err = (fn().float() - ref).abs().max().item()
                 t = bench(fn)
             except Exception as e:  # noqa: BLE001
-                rows.append(dict(block_m=block_m, block_n=block_n, warps=warps, stages=stages, error=str(e)[:80]))
+                rows.append(dict(cfg, error=str(e)[:80]))
                 continue
-            rows.append(dict(block_m=block_m, block_n=block_n, warps=warps, stages=stages, us=t * 1e6, err=err,
-                             tflops=flops / t / 1e12))
+            rows.append(dict(cfg, us=t * 1e6, err=err, tflops=flops / t / 1e12))
         ok = sorted((r for r in rows if "us" in r and r["err"] < 2e-2), key=lambda r: r["us"])
-        default = next((r for r in rows if r.get("block_m") == min(128, max_q) and r["block_n"] == 64
-                        and r["warps"] == 8 and r["stages"] == 3 and "us" in r), None)
+        # The launcher's defaults (prefill_attention's tile rule), timed in the same way.
+        def default_fn():
+            return prefill_attention(q, k, v, kc, vc, bt, cu, sl, scale, max_query_len=max_q)
+        t_def = bench(default_fn)
         floor = flops / (args.peak_tflops * 1e12) * 1e6
         desc = " ".join(f"{c}+{n}" for c, n in chunks[:2]) + (f" x{len(chunks)}" if len(chunks) > 2 else "")
-        dtxt = f"{default['us']:.1f} us {default['tflops']:.0f} TFLOP/s" if default else "n/a"
-        print(f"{label} {desc}: floor {floor:.1f} us; default (128,64,8,3) {dtxt}", flush=True)
+        print(f"{label} {desc}: floor {floor:.1f} us; default launch {t_def * 1e6:.1f} us "
+              f"{flops / t_def / 1e12:.0f} TFLOP/s", flush=True)
         for r in ok[:4]:
-            print(f"    BLOCK_M {r['block_m']:3d} BLOCK_N {r['block_n']:3d} warps {r['warps']} stages {r['stages']}: "
-                  f"{r['us']:8.1f} us {r['tflops']:5.0f} TFLOP/s ({100 * floor / r['us']:.0f}% of floor)", flush=True)
-        results["prefill"].append(dict(case=[label, h, kvh, d, chunks], rows=rows))
+            print(f"    BLOCK_M {r['block_m']:3d} BLOCK_N {r['block_n']:3d} warps {r['warps']} stages {r['stages']} "
+                  f"pack {r['pack']}: {r['us']:8.1f} us {r['tflops']:5.0f} TFLOP/s ({100 * floor / r['us']:.0f}% "
+                  f"of floor)", flush=True)
+        results["prefill"].append(dict(case=[label, h, kvh, d, chunks], default_us=t_def * 1e6, rows=rows))
         del q, k, v, kc, vc
 
     if args.out:
