@@ -7,6 +7,7 @@ caller owns it from one thread.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -47,6 +48,11 @@ class LLMEngine:
         self._child_seeds = itertools.count(1)
         self._structured_output = None  # StructuredOutputManager, made at the first constrained request
         self.num_structured_requests = 0  # live requests with structured_outputs
+        # The model, tokenizer and libraries are long-lived: move them out of the cyclic GC's
+        # generations so the collections that per-step allocations trigger do not walk them
+        # (gc_collect_main was ~1.3% of a throughput run's samples before).
+        gc.collect()
+        gc.freeze()
         max_concurrency = config.num_kv_blocks * config.block_size / config.max_model_len
         logger.info(
             "engine ready in %.1f s: model %s (%s), dtype %s (matmuls in %s), %d KV blocks of %d tokens "

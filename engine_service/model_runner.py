@@ -48,7 +48,10 @@ class ModelRunner:
             self.model.set_matmul_dtype(self.matmul_dtype)
         self.model.rope_cos, self.model.rope_sin = self.model.rope_cos.float(), self.model.rope_sin.float()
         self.model.eval().requires_grad_(False)
-        logger.info("model loaded in %.2f s", time.perf_counter() - t0)
+        # CPU GEMMs on weights blocked once for oneDNN (see pack_cpu_weight).
+        self.packed_weights = self.device.type == "cpu" and self.model.pack_weights(config.max_num_seqs)
+        logger.info("model loaded in %.2f s%s", time.perf_counter() - t0,
+                    " (GEMM weights packed for oneDNN)" if self.packed_weights else "")
         self.vocab_size = model_config.vocab_size
         self.attn = get_attention_backend(config.attention_backend, self.device)
         self.layer_ops = get_layer_ops(self.device, config.attention_backend)

@@ -59,3 +59,44 @@ def test_engine_bf16_with_fp32_matmuls_matches_native_bf16_logprobs(tiny_llama_d
         lp_a = a.logprobs[0][a.token_ids[0]].logprob
         lp_b = b.logprobs[0][b.token_ids[0]].logprob
         assert abs(lp_a - lp_b) < 0.05, (lp_a, lp_b)
+
+
+@pytest.mark.parametrize("dtype, matmul_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                                 (torch.bfloat16, torch.float32)])
+def test_packed_linear_computes_what_the_plain_one_does(dtype, matmul_dtype):
+    g = torch.Generator().manual_seed(1)
+    layer = Linear(96, 40, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 96, generator=g))
+        layer.bias.copy_(torch.randn(40, generator=g))
+    layer.to(matmul_dtype)
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    expected = layer(x)
+    assert layer.pack(batch_hint=16), "oneDNN packing is available in every CPU build Pagoda installs"
+    assert layer.weight.numel() == 0 and layer.weight.dtype == matmul_dtype  # the plain copy is gone
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (7, 40)
+    if matmul_dtype == torch.bfloat16:
+        assert torch.equal(y, expected)  # oneDNN computes both: the same blocking, the same sums
+    else:  # MKL vs oneDNN: float32 summation order only
+        torch.testing.assert_close(y.float(), expected.float(), rtol=1e-5, atol=1e-5)
+    for m in (1, 300):  # any row count, not just the hint
+        xm = torch.randn(m, 96, generator=g).to(dtype)
+        ref = (xm.to(matmul_dtype).double() @ layer.packed_weight.to_dense().double().T
+               + layer.bias.double()).to(dtype)
+        torch.testing.assert_close(layer(xm).double(), ref.double(), rtol=2e-2, atol=2e-2)
+
+
+def test_engine_packs_every_gemm_weight_on_cpu(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    model = llm.llm_engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None and m.weight.numel() == 0 for m in linears)
+    if model.tie_word_embeddings:
+        assert model.tied_lm_head_packed is not None
+    hidden = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
+    ref = (hidden.double() @ model.embed_tokens.weight.double().T) if model.tie_word_embeddings else None
+    logits = model.compute_logits(hidden)
+    assert logits.shape == (3, model.config.vocab_size) and logits.dtype == torch.float32
+    if ref is not None:
+        torch.testing.assert_close(logits.double(), ref.to(torch.bfloat16).double(), rtol=2e-2, atol=5e-2)
