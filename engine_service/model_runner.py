@@ -12,6 +12,7 @@ import time
 import numpy as np
 import torch
 
+from engine_service import cpu_malloc
 from engine_service.config import EngineConfig
 from engine_service.models.llama import LlamaForCausalLM
 from engine_service.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -38,6 +39,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            cpu_malloc.tune_for_engine()
         t0 = time.perf_counter()
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_config, config.max_model_len)

@@ -1,0 +1,54 @@
+"""glibc malloc settings for an engine that runs its model on the CPU.
+
+torch's CPU tensors come from glibc ``malloc``. Above its mmap threshold (128 KiB, adapting up to
+32 MiB) every allocation is a fresh ``mmap``: each activation of a step (a [2048, 3072] gate/up
+output is 12 MiB) is then page-faulted in, zeroed by the kernel, and unmapped again when freed,
+every layer of every step. Raising the threshold to its maximum and never trimming the heap keeps
+freed activations mapped for the next layer instead, which is what the tcmalloc that vLLM's CPU
+backend preloads achieves. Measured on 8 mixed prefill+decode steps of the shared workload (bf16,
+2 cores): 19.7 s -> 16.5 s; ``aten::cat`` 253 -> 35 ms, ``copy_`` 683 -> 81 ms, the GEMMs 9.7 -> 9.0 s.
+
+The cost: memory freed by the engine stays in the process (up to the largest step's working set).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+# mallopt(3) parameters (malloc.h).
+M_TRIM_THRESHOLD = -1
+M_TOP_PAD = -2
+M_MMAP_THRESHOLD = -3
+
+MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit (HEAP_MAX_SIZE / 2)
+TRIM_THRESHOLD = 1 << 30
+TOP_PAD = 64 << 20
+
+_applied = False
+
+
+def tune_for_engine() -> bool:
+    """Apply the settings once per process (glibc only; elsewhere, or with
+    ``PAGODA_KEEP_MALLOC=1``, nothing is changed). Returns whether they are in effect."""
+    global _applied
+    if _applied:
+        return True
+    if os.environ.get("PAGODA_KEEP_MALLOC") == "1":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False  # not glibc (musl, macOS): its allocator is left alone
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = all(mallopt(param, value) == 1 for param, value in
+             ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
+    _applied = ok
+    if ok:
+        logger.info("glibc malloc tuned for CPU inference: mmap threshold %d MiB, heap kept (trim threshold %d MiB)",
+                    MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
+    return ok

@@ -1,0 +1,52 @@
+"""The engine's glibc malloc settings: large activations come from the heap, not fresh mmaps."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import subprocess
+import sys
+
+import pytest
+
+CHECK = r"""
+import ctypes, ctypes.util, sys
+import torch
+from engine_service import cpu_malloc
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.mallinfo2.restype = MallInfo2
+
+def mmapped_during_alloc():
+    t = torch.empty(16 << 20, dtype=torch.uint8)  # 16 MiB: above glibc's default mmap threshold
+    n = libc.mallinfo2().hblkhd
+    del t
+    return n - libc.mallinfo2().hblkhd
+
+before = mmapped_during_alloc()
+assert cpu_malloc.tune_for_engine()
+after = mmapped_during_alloc()
+print(before, after)
+assert before >= 16 << 20, before       # untuned: the tensor was its own mmap
+assert after == 0, after                # tuned: it came from the heap
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_tuned_malloc_serves_large_tensors_from_the_heap():
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("not glibc >= 2.33")
+    # A fresh interpreter: the engine tests in this process may have tuned malloc already.
+    res = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_opt_out_leaves_malloc_alone():
+    code = ("import os; os.environ['PAGODA_KEEP_MALLOC'] = '1'\n"
+            "from engine_service import cpu_malloc; assert cpu_malloc.tune_for_engine() is False")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
