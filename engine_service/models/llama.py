@@ -215,15 +215,16 @@ class LlamaForCausalLM(nn.Module):
         return ops.rms_norm(h, residual, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # A wider weight's output is rounded to the model dtype first, as a bf16 LM head's output
-        # is (greedy ties break alike).
+        """Logits in the model dtype (the sampler widens them only when it does more than argmax).
+        A wider weight's output is rounded to the model dtype first, as a bf16 LM head's output
+        is (greedy ties break alike)."""
         if not self.tie_word_embeddings:
-            return self.lm_head(hidden).float()
+            return self.lm_head(hidden)
         if self.tied_lm_head_packed is not None:
-            return linear(hidden, self.tied_lm_head_packed, packed=True).float()
+            return linear(hidden, self.tied_lm_head_packed, packed=True)
         weight = self.embed_tokens_matmul_weight if self.embed_tokens_matmul_weight is not None \
             else self.embed_tokens.weight
-        return linear(hidden, weight).float()
+        return linear(hidden, weight)
 
     def pack_weights(self, batch_hint: int) -> bool:
         """Reorder every GEMM weight (the LM head included) into oneDNN's blocked layout once
