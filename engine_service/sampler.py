@@ -75,7 +75,9 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         structured = batch.structured
         if not (random_rows or penalized or min_tokens_rows or num_logprobs or structured):
-            return SamplerOutput(logits.argmax(-1), None, None, None)
+            # max(-1).indices: the same first-maximum index as argmax, and on bfloat16 logits it
+            # is several times faster than torch's argmax (and than widening to float32 first).
+            return SamplerOutput(logits.max(-1).indices, None, None, None)
 
         logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if num_logprobs else None

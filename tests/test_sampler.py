@@ -60,6 +60,20 @@ def test_greedy_is_argmax_and_ignores_padded_columns():
     assert out.sampled_logprobs is None and out.topk_token_ids is None and out.topk_logprobs is None
 
 
+def test_greedy_on_bf16_logits_takes_the_first_of_tied_maxima():
+    # The LM head hands the sampler bf16 logits: coarse values, so exact ties are common.
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 300, generator=g) * 0.05).to(torch.bfloat16)
+    top = logits.max()
+    logits[:, [7, 150, 299]] = top  # three-way tie for the maximum in every row
+    logits[5, 3] = top  # an earlier one in row 5
+    out = Sampler(300, {EOS})(logits, make_batch([SamplingParams(temperature=0.0)] * 64))
+    expected = torch.full((64,), 7, dtype=torch.int64)
+    expected[5] = 3
+    assert torch.equal(out.sampled_token_ids, expected)
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1))
+
+
 def test_greedy_fast_path_does_no_other_work(monkeypatch):
     sampler = Sampler(32, {EOS})
     for name in ("_apply_penalties", "_mask_stop_tokens", "_sample_random"):
