@@ -1,10 +1,15 @@
-"""CPU paged decode attention: a C++ kernel that reads K/V straight through the block tables.
-(The same extension carries the layer's fused elementwise ops: ``layer_ops.py``.)
+"""CPU paged attention: C++ kernels that read K/V straight through the block tables, for decode and
+for prefill / chunked prefill. (The same extension carries the layer's fused elementwise ops:
+``layer_ops.py``.)
 
 ``TorchAttention.decode`` gathers every sequence's K/V into a dense tensor first, which triples
-the memory traffic of a memory-bound op (read, write, read again). The kernel in
+the memory traffic of a memory-bound op (read, write, read again). The decode kernel in
 ``csrc/paged_attention_cpu.cpp`` walks the block table instead and attends block by block with an
 online softmax, parallel over (sequence, kv head[, context split]) with OpenMP.
+``TorchAttention.prefill`` runs one SDPA call per prefilling sequence from Python (gathering a later
+chunk's context and building a mask first); the prefill kernel takes all of a step's chunks in one
+call, parallel over (sequence, kv head, query tile), with the GQA group's q heads sharing every K/V
+tile (AVX-512: fp32, and bf16 with AVX512_BF16; other dtypes and CPUs use the torch path).
 
 The extension is compiled at first use with ``torch.utils.cpp_extension.load`` (needs ``ninja``
 and a C++ compiler; a few seconds) into ``$PAGODA_CACHE_DIR/torch_extensions`` (default
@@ -33,6 +38,8 @@ _LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _op = None  # torch.ops.pagoda_cpu.paged_decode_attention once loaded
+_prefill_op = None  # torch.ops.pagoda_cpu.paged_prefill_attention
+_prefill_dtypes: dict[torch.dtype, bool] = {}
 
 
 def _cache_root() -> Path:
@@ -92,6 +99,8 @@ def load_extension(verbose: bool = False):
             build_dir.mkdir(parents=True, exist_ok=True)
             load(name=_NAME, sources=[str(p) for p in _SOURCES], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
                  build_directory=str(build_dir), is_python_module=False, verbose=verbose)
+        global _prefill_op
+        _prefill_op = torch.ops.pagoda_cpu.paged_prefill_attention.default
         _op = torch.ops.pagoda_cpu.paged_decode_attention.default
         return _op
 
@@ -118,8 +127,46 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     return out
 
 
+def prefill_supported(dtype: torch.dtype) -> bool:
+    """Whether this host's build has the C++ prefill kernel for ``dtype`` (fp32 with AVX-512, bf16
+    with AVX512_BF16)."""
+    ok = _prefill_dtypes.get(dtype)
+    if ok is None:
+        load_extension()
+        ok = _prefill_dtypes[dtype] = bool(torch.ops.pagoda_cpu.prefill_supports(dtype))
+    return ok
+
+
+def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Prefill / chunked-prefill attention for a step's chunks, K/V read through the block tables.
+
+    q [T, H, D] (head_dim contiguous): the chunks' queries back to back, sequence i's at rows
+    query_start_loc[i] .. query_start_loc[i + 1]; seq_lens [B]: each sequence's length after its
+    chunk. Query j of a chunk of length L sees keys 0 .. seq_len - L + j (bottom-right-aligned
+    causal), all read from the cache, so the chunk's own K/V must have been written first.
+    block_tables [B, max_blocks] int32; query_start_loc [B + 1] and seq_lens int32. Returns [T, H, D]
+    in q's dtype (``out`` if given). See ``prefill_supported`` for the dtypes.
+    """
+    if _prefill_op is None:
+        load_extension()
+    if block_tables.dtype != torch.int32:
+        block_tables = block_tables.to(torch.int32)
+    if query_start_loc.dtype != torch.int32 or not query_start_loc.is_contiguous():
+        query_start_loc = query_start_loc.to(torch.int32).contiguous()
+    if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+        seq_lens = seq_lens.to(torch.int32).contiguous()
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _prefill_op(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, float(scale), out,
+                torch.get_num_threads())
+    return out
+
+
 class CpuAttention(TorchAttention):
-    """TorchAttention with decode() on the C++ paged kernel; prefill() is inherited (torch ops)."""
+    """TorchAttention with decode() and prefill() on the C++ paged kernels (prefill falls back to the
+    torch path for dtypes the kernel does not cover)."""
 
     name = "cpu"
 
@@ -127,8 +174,33 @@ class CpuAttention(TorchAttention):
         super().__init__("cpu")
         load_extension()  # build now (seconds, once per host) rather than inside the first step
 
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """The prefill kernel's int32 query offsets, lengths and tables, once per step (every layer
+        reuses them). The torch fallback's own metadata is built only if a layer needs it."""
+        cache: dict = {"block_size": block_size}
+        if meta.num_prefills:
+            query_start = torch.zeros(meta.num_prefills + 1, dtype=torch.int32)
+            torch.cumsum(meta.prefill_query_lens, 0, out=query_start[1:])
+            cache["prefill_query_start"] = query_start
+            cache["prefill_seq_lens"] = meta.prefill_seq_lens.to(torch.int32)
+            cache["prefill_block_tables"] = meta.prefill_block_tables.to(torch.int32).contiguous()
+        meta.cache = cache
+
     def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [Bd, H, D] -> [Bd, H, D]; one query per sequence."""
         return paged_decode_attention(q, key_cache, value_cache, meta.decode_block_tables,
                                       meta.decode_seq_lens, scale)
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [Tp, H, D], k/v [Tp, kv_heads, D] (already in the cache) -> [Tp, H, D]; one C++ call for
+        all of the step's chunks."""
+        c = meta.cache
+        if prefill_supported(q.dtype):
+            return paged_prefill_attention(q, key_cache, value_cache, c["prefill_block_tables"],
+                                           c["prefill_query_start"], c["prefill_seq_lens"], scale)
+        if "prefill_chunks" not in c:  # torch fallback (e.g. fp16): its own metadata, once per step
+            super().prepare(meta, c["block_size"])
+            meta.cache.update(c)
+        return super().prefill(q, k, v, key_cache, value_cache, meta, scale)

@@ -1,4 +1,5 @@
-"""The C++ CPU paged decode-attention kernel against a float64 reference and against TorchAttention."""
+"""The C++ CPU paged attention kernels (decode, prefill / chunked prefill) against float64 references
+and against TorchAttention."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from pagoda_kernels.attention import AttentionMetadata, TorchAttention, write_kv
-from pagoda_kernels.cpu_attention import CpuAttention, load_extension, paged_decode_attention
+from pagoda_kernels.cpu_attention import (CpuAttention, load_extension, paged_decode_attention,
+                                          paged_prefill_attention, prefill_supported)
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
        torch.float16: dict(rtol=2e-3, atol=2e-3)}
@@ -207,3 +209,196 @@ def test_backend_decode_matches_torch_backend(dtype):
     torch.testing.assert_close(got, expected, **tol)
     torch.testing.assert_close(got.double(), reference(q, key_cache, value_cache, block_tables, seq_lens,
                                                        1 / math.sqrt(d)), **TOL[dtype])
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill / chunked prefill
+# ---------------------------------------------------------------------------------------------
+
+PREFILL_DTYPES = [d for d in (torch.float32, torch.bfloat16) if prefill_supported(d)]
+needs_prefill = pytest.mark.skipif(not PREFILL_DTYPES, reason="no C++ prefill kernel on this CPU")
+
+
+def prefill_reference(q, key_cache, value_cache, block_tables, query_start, seq_lens, scale):
+    """float64: query i of a chunk of length L in a sequence of length S attends to keys 0 .. S - L + i,
+    read through the sequence's block table."""
+    t, h, d = q.shape
+    bs, kvh = key_cache.shape[1], key_cache.shape[2]
+    out = torch.zeros(t, h, d, dtype=torch.float64)
+    for i in range(len(seq_lens)):
+        q0, q1, n = int(query_start[i]), int(query_start[i + 1]), int(seq_lens[i])
+        if q1 == q0:
+            continue
+        pos = torch.arange(n)
+        blocks = block_tables[i].long()[pos // bs]
+        k = key_cache[blocks, pos % bs].double().repeat_interleave(h // kvh, dim=1)  # [n, h, d]
+        v = value_cache[blocks, pos % bs].double().repeat_interleave(h // kvh, dim=1)
+        s = torch.einsum("lhd,nhd->hln", q[q0:q1].double(), k) * scale
+        visible = pos[None, :] <= (n - (q1 - q0) + torch.arange(q1 - q0))[:, None]
+        s = s.masked_fill(~visible[None], float("-inf"))
+        out[q0:q1] = torch.einsum("hln,nhd->lhd", s.softmax(-1), v)
+    return out
+
+
+def make_prefill_inputs(chunks, h, kvh, d, bs, dtype, seed=0, extra_blocks=5, table_pad=2, q_scale=2.0):
+    """chunks: (cached context, query length) per sequence. The caches hold random K/V for every token
+    of every sequence (context and chunk alike: the layer writes the chunk before attending), in
+    shuffled blocks; NaN everywhere the kernel must not read (unused blocks, slots past a sequence's
+    end, padded table entries)."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in chunks]
+    nblk = [-(-n // bs) for n in seq_lens]
+    used = sum(nblk)
+    perm = torch.randperm(used + extra_blocks, generator=g)
+    key_cache = torch.randn(used + extra_blocks, bs, kvh, d, generator=g).to(dtype)
+    value_cache = torch.randn(used + extra_blocks, bs, kvh, d, generator=g).to(dtype)
+    block_tables = torch.full((len(chunks), max(nblk + [1]) + table_pad), int(perm[used]), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(nblk):
+        ids = perm[at:at + n]
+        at += n
+        block_tables[i, :n] = ids.int()
+        tail = seq_lens[i] - (n - 1) * bs
+        if n and tail < bs:
+            key_cache[ids[-1], tail:] = float("nan")
+            value_cache[ids[-1], tail:] = float("nan")
+    key_cache[perm[used:]] = float("nan")
+    value_cache[perm[used:]] = float("nan")
+    q = (torch.randn(sum(n for _, n in chunks), h, d, generator=g) * q_scale).to(dtype)
+    query_start = torch.zeros(len(chunks) + 1, dtype=torch.int32)
+    query_start[1:] = torch.tensor([n for _, n in chunks]).cumsum(0)
+    return q, key_cache, value_cache, block_tables, query_start, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def check_prefill(q, key_cache, value_cache, block_tables, query_start, seq_lens, scale, op=None, num_threads=None,
+                  out=None):
+    if out is None:
+        out = torch.full_like(q, float("nan"))
+    else:
+        out.fill_(float("nan"))
+    if op is None:
+        res = paged_prefill_attention(q, key_cache, value_cache, block_tables, query_start, seq_lens, scale, out=out)
+        assert res is out
+    else:
+        op(q, key_cache, value_cache, block_tables, query_start, seq_lens, scale, out, num_threads)
+    ref = prefill_reference(q, key_cache, value_cache, block_tables, query_start, seq_lens, scale)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, **TOL[q.dtype])
+    return out
+
+
+# Query lengths 1 and ones that are not multiples of a query tile (128 / group tokens) or of the
+# 64-key tile, with and without cached context, and an empty chunk.
+PREFILL_CHUNKS = [(0, 1), (0, 37), (5, 1), (100, 20), (0, 130), (64, 64), (3, 200), (10, 0), (17, 63)]
+
+
+@pytest.fixture(scope="module")
+def prefill_op():
+    load_extension()
+    return torch.ops.pagoda_cpu.paged_prefill_attention.default
+
+
+@needs_prefill
+@pytest.mark.parametrize("dtype", PREFILL_DTYPES)
+@pytest.mark.parametrize("h,kvh", [(4, 4), (9, 3), (8, 2)])  # GQA groups 1, 3, 4
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_prefill_matches_reference(dtype, h, kvh, d, bs):
+    inputs = make_prefill_inputs(PREFILL_CHUNKS, h, kvh, d, bs, dtype, seed=h * 100 + d + bs)
+    check_prefill(*inputs, 1 / math.sqrt(d))
+
+
+@needs_prefill
+@pytest.mark.parametrize("d", [80, 96])
+def test_prefill_other_head_sizes(d):
+    for dtype in PREFILL_DTYPES:
+        inputs = make_prefill_inputs([(0, 45), (30, 7), (0, 1)], 6, 2, d, 16, dtype, seed=d)
+        check_prefill(*inputs, 1 / math.sqrt(d))
+
+
+@needs_prefill
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_prefill_thread_counts_and_long_context(prefill_op, num_threads):
+    """A long chunk after a long context next to short ones (many key tiles, items of very different
+    sizes), with logits large enough that the running max changes across key tiles (at q_scale 8 a
+    float32 torch softmax is itself ~2e-5 off the float64 reference)."""
+    for dtype in PREFILL_DTYPES:
+        inputs = make_prefill_inputs([(700, 300), (0, 3), (40, 90)], 12, 4, 64, 16, dtype, seed=num_threads,
+                                     q_scale=4.0)
+        check_prefill(*inputs, 0.125, op=prefill_op, num_threads=num_threads)
+
+
+@needs_prefill
+def test_prefill_strided_q_and_out():
+    """q as a view of a wider projection output (token stride > H * D), out likewise."""
+    dtype = PREFILL_DTYPES[-1]
+    q, kc, vc, bt, qs, sl = make_prefill_inputs([(20, 33), (0, 17)], 6, 2, 64, 16, dtype, seed=4)
+    wide = torch.full((q.shape[0], q.shape[1] + 3, q.shape[2]), float("nan"), dtype=dtype)
+    wide[:, :6] = q
+    out_wide = torch.empty_like(wide)
+    out = check_prefill(wide[:, :6], kc, vc, bt, qs, sl, 0.125, out=out_wide[:, :6])
+    assert out.data_ptr() == out_wide.data_ptr()
+
+
+@needs_prefill
+def test_prefill_bad_arguments_raise():
+    q, kc, vc, bt, qs, sl = make_prefill_inputs([(4, 20), (0, 3)], 4, 2, 64, 16, torch.float32, seed=2)
+    bad = bt.clone()
+    bad[0, 1] = kc.shape[0]
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_prefill_attention(q, kc, vc, bad, qs, sl, 0.125)
+    with pytest.raises(RuntimeError, match="inconsistent"):  # a chunk longer than its sequence
+        paged_prefill_attention(q, kc, vc, bt, qs, torch.tensor([24, 2], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="query_start_loc"):
+        paged_prefill_attention(q, kc, vc, bt, torch.tensor([0, 20, 22], dtype=torch.int32), sl, 0.125)
+    with pytest.raises(RuntimeError, match="dtype"):
+        paged_prefill_attention(q.double(), kc, vc, bt, qs, sl, 0.125)
+
+
+def _runner_prefill_meta(chunks, bs, max_blocks, block_tables):
+    """AttentionMetadata for a prefill-only step as the model runner builds it."""
+    qlens = torch.tensor([n for _, n in chunks])
+    seq_lens = torch.tensor([c + n for c, n in chunks])
+    seq_idx = torch.repeat_interleave(torch.arange(len(chunks)), qlens)
+    cu = torch.zeros(len(chunks) + 1, dtype=torch.long)
+    cu[1:] = qlens.cumsum(0)
+    pos = (seq_lens - qlens)[seq_idx] + torch.arange(int(qlens.sum())) - cu[seq_idx]
+    slot_mapping = block_tables.long()[seq_idx, pos // bs] * bs + pos % bs
+    return AttentionMetadata(
+        slot_mapping=slot_mapping, num_decode_tokens=0, decode_block_tables=torch.zeros(0, max_blocks, dtype=torch.int32),
+        decode_seq_lens=torch.zeros(0, dtype=torch.int32), num_prefills=len(chunks), prefill_query_lens=qlens,
+        prefill_seq_lens=seq_lens, prefill_block_tables=block_tables, max_prefill_query_len=int(qlens.max()),
+        max_prefill_seq_len=int(seq_lens.max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_backend_prefill_matches_torch_backend(dtype):
+    """CpuAttention().prefill == TorchAttention().prefill on metadata built as the runner builds it:
+    first chunks and later chunks in one step, the chunk's K/V written into the cache first (fp16, or
+    a CPU without the kernel, takes the torch path)."""
+    g = torch.Generator().manual_seed(8)
+    bs, h, kvh, d = 16, 9, 3, 64
+    chunks = [(0, 40), (48, 16), (0, 1), (100, 70), (33, 5)]
+    max_blocks = max(-(-(c + n) // bs) for c, n in chunks) + 1
+    num_blocks = len(chunks) * max_blocks + 4
+    block_tables = torch.randperm(num_blocks, generator=g)[:len(chunks) * max_blocks].view(len(chunks), max_blocks).int()
+    key_cache = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    meta = _runner_prefill_meta(chunks, bs, max_blocks, block_tables)
+    t = int(meta.prefill_query_lens.sum())
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    k = torch.randn(t, kvh, d, generator=g).to(dtype)
+    v = torch.randn(t, kvh, d, generator=g).to(dtype)
+    write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+    ref_backend, cpu_backend = TorchAttention(), CpuAttention()
+    ref_backend.prepare(meta, bs)
+    expected = ref_backend.prefill(q, k, v, key_cache, value_cache, meta, 1 / math.sqrt(d))
+    cpu_backend.prepare(meta, bs)
+    got = cpu_backend.prefill(q, k, v, key_cache, value_cache, meta, 1 / math.sqrt(d))
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, expected, **tol)
+    query_start = torch.zeros(len(chunks) + 1, dtype=torch.int32)
+    query_start[1:] = meta.prefill_query_lens.cumsum(0)
+    torch.testing.assert_close(got.double(), prefill_reference(q, key_cache, value_cache, block_tables, query_start,
+                                                               meta.prefill_seq_lens, 1 / math.sqrt(d)), **TOL[dtype])
