@@ -1,4 +1,4 @@
-"""The Llama layer's elementwise ops: residual add + RMSNorm, and rotary embedding.
+"""The Llama layer's elementwise ops: residual add + RMSNorm, rotary embedding, silu(gate) * up.
 
 ``TorchLayerOps`` is the reference (transformers' operation order, one torch op per step);
 ``CpuLayerOps`` runs each as one fused C++ pass over rows (``csrc/cpu_ops.cpp``, built with the
@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,11 @@ class TorchLayerOps:
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] (the fused gate/up projection) -> silu(gate) * up [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
 
 class CpuLayerOps(TorchLayerOps):
     """The same ops as single C++ passes (float32 and bfloat16; other dtypes use torch)."""
@@ -57,6 +63,7 @@ class CpuLayerOps(TorchLayerOps):
         load_extension()
         self._rms_norm = torch.ops.pagoda_cpu.rms_norm.default
         self._rotary = torch.ops.pagoda_cpu.rotary_embedding.default
+        self._silu_and_mul = torch.ops.pagoda_cpu.silu_and_mul.default
 
     def rms_norm(self, x, residual, weight, eps):
         if x.dtype not in self._DTYPES or x.dim() != 2 or x.stride(-1) != 1 or weight.dtype != x.dtype:
@@ -74,6 +81,13 @@ class CpuLayerOps(TorchLayerOps):
             return super().rotary(x, super().rope_inputs(positions, cos_table, sin_table, dtype))
         out = torch.empty(x.shape, dtype=x.dtype)
         self._rotary(x, positions, cos_table, sin_table, out)
+        return out
+
+    def silu_and_mul(self, gate_up):
+        if gate_up.dtype not in self._DTYPES or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+            return super().silu_and_mul(gate_up)
+        out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
+        self._silu_and_mul(gate_up, out)
         return out
 
 

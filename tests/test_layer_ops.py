@@ -1,4 +1,4 @@
-"""The fused C++ layer ops (residual add + RMSNorm, rotary) against the torch reference ops."""
+"""The fused C++ layer ops (residual add + RMSNorm, rotary, silu_and_mul) against the torch reference ops."""
 from __future__ import annotations
 
 import pytest
@@ -23,10 +23,10 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 crosses the multi-thread threshold
-def test_rms_norm_with_and_without_residual(ops, dtype, rows):
+@pytest.mark.parametrize("hidden", [576, 580])  # 580: a tail after the 16-wide vector loop
+def test_rms_norm_with_and_without_residual(ops, dtype, rows, hidden):
     cpu, ref = ops
     g = torch.Generator().manual_seed(rows)
-    hidden = 576
     # A strided x (a view into a wider buffer), as the layer's projections produce.
     x = (3 * torch.randn(rows, hidden + 64, generator=g)).to(dtype)[:, 32:32 + hidden]
     w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
@@ -68,3 +68,20 @@ def test_rotary_rejects_positions_outside_the_table(ops):
     cos_t = sin_t = torch.zeros(4, 8)
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         cpu.rotary(x, cpu.rope_inputs(torch.tensor([0, 4]), cos_t, sin_t, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (7, 1544), (300, 1536)])
+def test_silu_and_mul_matches_torch_exactly(ops, dtype, rows, inter):
+    cpu, ref = ops
+    g = torch.Generator().manual_seed(rows + inter)
+    # A strided gate_up (rows of a wider buffer), with the values that test exp's edges.
+    buf = (4 * torch.randn(rows, 2 * inter + 16, generator=g)).to(dtype)
+    gate_up = buf[:, 8:8 + 2 * inter]
+    edge = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 100.0, -100.0, 1e-30, -88.5, 88.7])
+    gate_up[0, :10] = edge.to(dtype)
+    out = cpu.silu_and_mul(gate_up)
+    want = ref.silu_and_mul(gate_up)
+    assert out.shape == (rows, inter) and out.dtype == dtype and out.is_contiguous()
+    same = (out == want) | (out.isnan() & want.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} elements differ"

@@ -155,9 +155,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -179,7 +178,7 @@ class LlamaDecoderLayer(nn.Module):
             x = ops.rms_norm(h, residual, self.input_layernorm.weight, self.input_layernorm.eps)
         x = self.self_attn(x, rope, kv_cache, meta, attn, ops)
         x = ops.rms_norm(x, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return self.mlp(x), residual
+        return self.mlp(x, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,6 +1,8 @@
-// Fused elementwise ops of the Llama layer for the CPU: residual add + RMSNorm, and rotary
-// embedding. Each replaces a chain of 6-10 torch ops (each a pass over memory and, above torch's
-// grain size, an OpenMP parallel region) with one pass over rows.
+// Fused elementwise ops of the Llama layer for the CPU: residual add + RMSNorm, rotary embedding,
+// and the MLP's silu(gate) * up. Each replaces a chain of 2-10 torch ops (each a pass over memory
+// and, above torch's grain size, an OpenMP parallel region) with one pass over rows; RMSNorm and
+// silu_and_mul are written with AVX-512 intrinsics where the compiler targets it (gcc did not
+// vectorise the scalar RMSNorm loops: 2048 x 576 bf16 rows took ~1.7 ms in an engine step).
 //
 // Numerics follow the torch ops they replace (transformers' LlamaRMSNorm and apply_rotary_pos_emb)
 // operation by operation: float32 statistics, and in a 16-bit model dtype a rounding to that
@@ -12,6 +14,10 @@
 #include <torch/library.h>
 
 #include <omp.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -54,6 +60,50 @@ int threads_for(int64_t elements) {
 
 // residual (if given) += x, rounded to T; out = weight * T(float(h) * rsqrt(mean(float(h)^2) + eps))
 // with h the (updated) residual or x. x, residual, out: [T, H] with row strides; weight [H].
+// The sum of squares is accumulated in double and rounded once: the correctly rounded float32
+// sum, which torch's cascade summation also reaches in all but rare cases.
+template <typename T>
+inline double rms_row_scalar(const T* xr, T* hr, int64_t i0, int64_t hidden) {
+  double sumsq = 0.0;
+  for (int64_t i = i0; i < hidden; ++i) {
+    float h = hr ? round_to(load(xr[i]) + load(hr[i]), static_cast<T*>(nullptr)) : load(xr[i]);
+    if (hr) store(h, &hr[i]);
+    sumsq += static_cast<double>(h * h);
+  }
+  return sumsq;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+// Round to the storage type (nearest even; NaN stays NaN) and return the value it holds.
+inline __m512 round16(__m512 v, const float*) { return v; }
+inline __m256i to_bf16_bits(__m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  r = _mm512_srli_epi32(r, 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline __m512 round16(__m512 v, const bf16_t*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v)); }
+inline __m512d sq_lo(__m512 h) { __m512d d = _mm512_cvtps_pd(_mm512_castps512_ps256(h)); return _mm512_mul_pd(d, d); }
+inline __m512d sq_hi(__m512 h) {
+  __m512d d = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(h), 1)));
+  return _mm512_mul_pd(d, d);
+}
+#define PAGODA_EW_AVX512 1
+#else
+#define PAGODA_EW_AVX512 0
+#endif
+
 template <typename T>
 void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride, const T* weight, T* out,
                    int64_t out_stride, int64_t rows, int64_t hidden, float eps) {
@@ -62,27 +112,35 @@ void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride
     const T* xr = x + r * x_stride;
     T* outr = out + r * out_stride;
     T* hr = residual ? residual + r * res_stride : nullptr;
-    // Accumulated in double and rounded once: the correctly rounded float32 sum, which torch's
-    // cascade summation also reaches in all but rare cases, so the mean matches it bit for bit.
+    int64_t i = 0;
     double sumsq = 0.0;
-    if (hr) {
-#pragma omp simd reduction(+ : sumsq)
-      for (int64_t i = 0; i < hidden; ++i) {
-        float h = round_to(load(xr[i]) + load(hr[i]), static_cast<T*>(nullptr));
-        store(h, &hr[i]);
-        sumsq += static_cast<double>(h * h);
+#if PAGODA_EW_AVX512
+    // h*h is exact in double, like the float product widened in the scalar loop: the same sum.
+    __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
+    for (; i + 16 <= hidden; i += 16) {
+      __m512 h = load16(xr + i);
+      if (hr) {
+        h = round16(_mm512_add_ps(h, load16(hr + i)), static_cast<T*>(nullptr));
+        store16(hr + i, h);
       }
-    } else {
-#pragma omp simd reduction(+ : sumsq)
-      for (int64_t i = 0; i < hidden; ++i) {
-        float h = load(xr[i]);
-        sumsq += static_cast<double>(h * h);
-      }
+      __m512 hsq = _mm512_mul_ps(h, h);  // the float product the scalar loop widens
+      acc0 = _mm512_add_pd(acc0, _mm512_cvtps_pd(_mm512_castps512_ps256(hsq)));
+      acc1 = _mm512_add_pd(acc1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(hsq), 1))));
     }
+    sumsq = _mm512_reduce_add_pd(_mm512_add_pd(acc0, acc1));
+#endif
+    sumsq += rms_row_scalar(xr, hr, i, hidden);
     const T* src = hr ? hr : xr;
     const float inv = 1.f / std::sqrt(static_cast<float>(sumsq) / static_cast<float>(hidden) + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < hidden; ++i) {
+    i = 0;
+#if PAGODA_EW_AVX512
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (; i + 16 <= hidden; i += 16) {
+      __m512 n = round16(_mm512_mul_ps(load16(src + i), vinv), static_cast<T*>(nullptr));
+      store16(outr + i, _mm512_mul_ps(load16(weight + i), n));
+    }
+#endif
+    for (; i < hidden; ++i) {
       float n = round_to(load(src[i]) * inv, static_cast<T*>(nullptr));
       store(load(weight[i]) * n, &outr[i]);
     }
@@ -186,6 +244,59 @@ void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at
   }
 }
 
+#if PAGODA_EW_AVX512
+// torch's own vectorised exp (Sleef, exported by libtorch_cpu): F.silu's exact arithmetic.
+extern "C" __m512 Sleef_expf16_u10(__m512);
+#endif
+
+// out = T(silu(gate)) * up, rounded to T, with gate / up the two halves of each row of gate_up
+// [T, 2I] (row stride free): F.silu(gate) * up in one pass, the same arithmetic as torch's kernels
+// (float(x) / (1 + exp(-float(x))), rounded to T, then a rounded product).
+template <typename T>
+void silu_and_mul_impl(const T* gate_up, int64_t in_stride, T* out, int64_t out_stride, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows * inter))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * in_stride;
+    const T* u = g + inter;
+    T* o = out + r * out_stride;
+    int64_t i = 0;
+#if PAGODA_EW_AVX512
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= inter; i += 16) {
+      __m512 x = load16(g + i);
+      __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      __m512 s = round16(_mm512_div_ps(x, _mm512_add_ps(one, e)), static_cast<T*>(nullptr));
+      store16(o + i, _mm512_mul_ps(s, load16(u + i)));
+    }
+#endif
+    for (; i < inter; ++i) {
+      const float x = load(g[i]);
+      const float s = round_to(x / (1.f + std::exp(-x)), static_cast<T*>(nullptr));
+      store(s * load(u[i]), &o[i]);
+    }
+  }
+}
+
+void silu_and_mul(const at::Tensor& gate_up, at::Tensor& out) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [T, 2 * I] with contiguous rows");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  check_rows(out, "out", rows, inter);
+  TORCH_CHECK(out.scalar_type() == gate_up.scalar_type(), "out must have gate_up's dtype");
+  switch (gate_up.scalar_type()) {
+    case at::kFloat:
+      silu_and_mul_impl<float>(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(), out.stride(0),
+                               rows, inter);
+      break;
+    case at::kBFloat16:
+      silu_and_mul_impl<bf16_t>(static_cast<const bf16_t*>(gate_up.data_ptr()), gate_up.stride(0),
+                                static_cast<bf16_t*>(out.data_ptr()), out.stride(0), rows, inter);
+      break;
+    default:
+      TORCH_CHECK(false, "silu_and_mul: unsupported dtype ", gate_up.scalar_type());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
@@ -193,4 +304,6 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("rotary_embedding(Tensor x, Tensor positions, Tensor cos_table, Tensor sin_table, Tensor(a!) out) -> ()");
   m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(rotary_embedding));
+  m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
 }
