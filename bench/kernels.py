@@ -1,14 +1,23 @@
 """Attention kernel micro-benchmarks.
 
-    python bench/kernels.py [--device cpu] [--reps 10] [--threads N] [--dtype bf16 fp32]
+    python bench/kernels.py [--device cpu] [--reps 10] [--threads N] [--dtype bf16 fp32] [--only prefill]
+                            [--cpu-baseline OLD.cpp]
     python bench/kernels.py --device cuda [--dtype bf16] [--peak-gbs 3350 --peak-tflops 989]
 
-CPU: the C++ paged decode kernel vs TorchAttention.decode (gather, then attend). Every case runs
-both implementations in the same process on the same inputs: random, scattered physical blocks;
-all sequences at the given context length. Several layers' worth of caches are cycled through
-(more than the last-level cache holds), as in a real step where every layer reads its own cache,
-so the numbers are DRAM-bound rather than cache-warm. GB/s = bytes of K and V the attention must
-read (batch * context * kv_heads * head_dim * 2 * element size) / time.
+CPU decode: the C++ paged decode kernel vs TorchAttention.decode (gather, then attend). Every case
+runs the implementations in the same process on the same inputs, calls interleaved: random,
+scattered physical blocks; all sequences at the given context length. Several layers' worth of
+caches are cycled through (more than the last-level cache holds), as in a real step where every
+layer reads its own cache, so the numbers are DRAM-bound rather than cache-warm. GB/s = bytes of K
+and V the attention must read (batch * context * kv_heads * head_dim * 2 * element size) / time.
+``--cpu-baseline OLD.cpp`` also builds an older paged_attention_cpu.cpp (e.g. ``git show
+REV:kernels/csrc/paged_attention_cpu.cpp > /tmp/old.cpp``) as a separate extension and times its
+decode kernel in the same loop: before / after in one process.
+
+CPU prefill: the C++ prefill kernel (one call for all of a step's chunks) vs TorchAttention.prefill
+(one SDPA call per sequence; a chunk with cached context gathers it through the block table and
+uses an additive mask), on the same caches with the chunks' K/V written in as the layer does.
+GFLOP/s counts the causal work only (4 * H * D per visible query-key pair).
 
 CUDA: the Triton kernels (kernels/triton_attention.py), timed with triton.testing.do_bench (which
 flushes L2 between calls): paged decode vs TorchAttention.decode, prefill vs dense causal SDPA on
@@ -66,18 +75,43 @@ def make_case(h, kvh, d, batch, ctx, dtype, seed=0):
     return q, caches, meta, bytes_read
 
 
-def time_calls(fn, caches, reps, stat="median", warmup=2):
-    """Median (or min) seconds per call, cycling through the per-layer caches."""
+def time_interleaved(fns, caches, reps, stat="median", warmup=2):
+    """Seconds per call of each fn(k, v), the fns called in turn each repetition (so a noisy
+    neighbour hits them alike), cycling through the per-layer caches."""
     n = len(caches)
     for i in range(warmup):
-        fn(*caches[i % n])
-    times = []
+        for fn in fns:
+            fn(*caches[i % n])
+    times = [[] for _ in fns]
     for i in range(reps):
-        k, v = caches[(i + warmup) % n]
-        t = time.perf_counter()
-        fn(k, v)
-        times.append(time.perf_counter() - t)
-    return min(times) if stat == "min" else statistics.median(times)
+        for j, fn in enumerate(fns):
+            k, v = caches[(i + j + warmup) % n]
+            t = time.perf_counter()
+            fn(k, v)
+            times[j].append(time.perf_counter() - t)
+    return [min(x) if stat == "min" else statistics.median(x) for x in times]
+
+
+def load_cpu_baseline(path):
+    """Build an older paged_attention_cpu.cpp as its own extension, ops under torch.ops.pagoda_cpu_baseline."""
+    import hashlib
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import load
+
+    from pagoda_kernels.cpu_attention import _CFLAGS, _LDFLAGS, _cache_root, _ensure_ninja_on_path
+
+    src = Path(path).read_text()
+    assert "TORCH_LIBRARY(pagoda_cpu," in src, f"{path}: no TORCH_LIBRARY(pagoda_cpu, ...) block"
+    src = src.replace("TORCH_LIBRARY(pagoda_cpu,", "TORCH_LIBRARY(pagoda_cpu_baseline,")
+    tag = hashlib.sha1((src + " ".join(_CFLAGS) + sys.prefix).encode()).hexdigest()[:12]
+    build_dir = _cache_root() / "torch_extensions" / f"pagoda_cpu_baseline-{tag}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    (build_dir / "baseline.cpp").write_text(src)
+    _ensure_ninja_on_path()
+    load(name=f"pagoda_cpu_baseline_{tag}", sources=[str(build_dir / "baseline.cpp")], extra_cflags=_CFLAGS,
+         extra_ldflags=_LDFLAGS, build_directory=str(build_dir), is_python_module=False)
+    return torch.ops.pagoda_cpu_baseline
 
 
 def bench_cpu(args):
@@ -88,11 +122,25 @@ def bench_cpu(args):
         torch.set_num_threads(args.threads)
     t = time.perf_counter()
     cpu = CpuAttention()  # builds the extension on first use
-    print(f"extension ready in {time.perf_counter() - t:.1f}s; torch threads: {torch.get_num_threads()}; "
-          f"block size {BLOCK_SIZE}; {args.stat} of {args.reps} calls\n")
+    baseline = load_cpu_baseline(args.cpu_baseline) if args.cpu_baseline else None
+    print(f"extensions ready in {time.perf_counter() - t:.1f}s; torch threads: {torch.get_num_threads()}; "
+          f"block size {BLOCK_SIZE}; {args.stat} of {args.reps} calls, interleaved"
+          + (f"; before = {args.cpu_baseline}" if baseline else "") + "\n")
+    if args.only in (None, "decode"):
+        bench_cpu_decode(args, cpu, baseline)
+    if args.only in (None, "prefill"):
+        bench_cpu_prefill(args, cpu)
+
+
+def bench_cpu_decode(args, cpu, baseline):
+    from pagoda_kernels.attention import TorchAttention
+
     ref = TorchAttention()
+    print("== paged decode")
     header = (f"{'model':8} {'dtype':5} {'H/KV/D':>10} {'batch':>5} {'ctx':>5} {'KV MB':>7} | "
-              f"{'torch ms':>9} {'GB/s':>6} | {'cpu ms':>8} {'GB/s':>6} | {'speedup':>7} {'max err':>8}")
+              f"{'torch ms':>9} {'GB/s':>6} | " + (f"{'before ms':>9} {'GB/s':>6} | " if baseline else "")
+              + f"{'cpu ms':>8} {'GB/s':>6} | {'vs torch':>8} " + (f"{'vs before':>9} " if baseline else "")
+              + f"{'max err':>8}")
     print(header)
     print("-" * len(header))
     for dname in args.dtype:
@@ -103,12 +151,101 @@ def bench_cpu(args):
             ref.prepare(meta, BLOCK_SIZE)
             k0, v0 = caches[0]
             err = (cpu.decode(q, k0, v0, meta, scale).float() - ref.decode(q, k0, v0, meta, scale).float()).abs().max()
-            t_ref = time_calls(lambda k, v: ref.decode(q, k, v, meta, scale), caches, args.reps, args.stat)
-            t_cpu = time_calls(lambda k, v: cpu.decode(q, k, v, meta, scale), caches, args.reps, args.stat)
+            fns = [lambda k, v: ref.decode(q, k, v, meta, scale), lambda k, v: cpu.decode(q, k, v, meta, scale)]
+            if baseline:
+                out = torch.empty_like(q)
+                bt, sl, nt = meta.decode_block_tables, meta.decode_seq_lens, torch.get_num_threads()
+                fns.append(lambda k, v: baseline.paged_decode_attention(q, k, v, bt, sl, scale, out, nt))
+            times = time_interleaved(fns, caches, args.reps, args.stat)
+            t_ref, t_cpu = times[0], times[1]
+            before = ""
+            if baseline:
+                t_old = times[2]
+                before = f"{t_old * 1e3:9.2f} {nbytes / t_old / 1e9:6.1f} | "
             print(f"{label:8} {dname:5} {f'{h}/{kvh}/{d}':>10} {batch:5d} {ctx:5d} {nbytes / 1e6:7.1f} | "
-                  f"{t_ref * 1e3:9.2f} {nbytes / t_ref / 1e9:6.1f} | {t_cpu * 1e3:8.2f} {nbytes / t_cpu / 1e9:6.1f} | "
-                  f"{t_ref / t_cpu:6.1f}x {err.item():8.1e}", flush=True)
+                  f"{t_ref * 1e3:9.2f} {nbytes / t_ref / 1e9:6.1f} | {before}{t_cpu * 1e3:8.2f} "
+                  f"{nbytes / t_cpu / 1e9:6.1f} | {t_ref / t_cpu:7.1f}x "
+                  + (f"{times[2] / t_cpu:8.2f}x " if baseline else "") + f"{err.item():8.1e}", flush=True)
             del caches
+    print()
+
+
+# (label, q heads, kv heads, head dim, [(cached context, query chunk) per sequence])
+CPU_PREFILL_CASES = [
+    ("smollm2", 9, 3, 64, [(0, 512)] * 4),
+    ("smollm2", 9, 3, 64, [(0, 2048)]),
+    ("smollm2", 9, 3, 64, [(1536, 512)]),
+    ("smollm2", 9, 3, 64, [(256, 256)] * 8),
+]
+
+
+def _cpu_prefill_inputs(h, kvh, d, chunks, dtype, seed=0):
+    """One prefill step as the engine runs it: scattered blocks, each chunk's K/V written into the cache
+    (the context's is random), metadata as the model runner builds it."""
+    from pagoda_kernels.attention import AttentionMetadata, write_kv
+
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = torch.tensor([c + n for c, n in chunks])
+    qlens = torch.tensor([n for _, n in chunks])
+    nbs = [-(-int(n) // BLOCK_SIZE) for n in seq_lens]
+    perm = torch.randperm(sum(nbs), generator=g)
+    bt = torch.zeros(len(chunks), max(nbs), dtype=torch.int32)
+    at = 0
+    for i, nb in enumerate(nbs):
+        bt[i, :nb] = perm[at:at + nb].int()
+        at += nb
+    kc = torch.randn(sum(nbs), BLOCK_SIZE, kvh, d, generator=g).to(dtype)
+    vc = torch.randn(sum(nbs), BLOCK_SIZE, kvh, d, generator=g).to(dtype)
+    t = int(qlens.sum())
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    k = torch.randn(t, kvh, d, generator=g).to(dtype)
+    v = torch.randn(t, kvh, d, generator=g).to(dtype)
+    seq_idx = torch.repeat_interleave(torch.arange(len(chunks)), qlens)
+    cu = torch.zeros(len(chunks) + 1, dtype=torch.long)
+    cu[1:] = qlens.cumsum(0)
+    pos = (seq_lens - qlens)[seq_idx] + torch.arange(t) - cu[seq_idx]
+    slots = bt[seq_idx, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    write_kv(k, v, kc, vc, slots)
+    meta = AttentionMetadata(
+        slot_mapping=slots, num_decode_tokens=0, decode_block_tables=torch.zeros(0, max(nbs), dtype=torch.int32),
+        decode_seq_lens=torch.zeros(0, dtype=torch.int32), num_prefills=len(chunks), prefill_query_lens=qlens,
+        prefill_seq_lens=seq_lens, prefill_block_tables=bt, max_prefill_query_len=int(qlens.max()),
+        max_prefill_seq_len=int(seq_lens.max()))
+    return q, k, v, kc, vc, meta
+
+
+def bench_cpu_prefill(args, cpu):
+    from pagoda_kernels.attention import TorchAttention
+    from pagoda_kernels.cpu_attention import prefill_supported
+
+    ref = TorchAttention()
+    print("== prefill / chunked prefill (chunks = cached context + query tokens per sequence)")
+    header = (f"{'model':8} {'dtype':5} {'H/KV/D':>10} {'chunks':>14} {'GFLOP':>6} | {'torch ms':>9} {'GFLOP/s':>7} | "
+              f"{'cpu ms':>8} {'GFLOP/s':>7} | {'speedup':>7} {'max err':>8}")
+    print(header)
+    print("-" * len(header))
+    for dname in args.dtype:
+        dtype = DTYPES[dname]
+        if not prefill_supported(dtype):
+            print(f"({dname}: no C++ prefill kernel on this CPU; CpuAttention uses the torch path)")
+            continue
+        for label, h, kvh, d, chunks in CPU_PREFILL_CASES:
+            q, k, v, kc, vc, meta = _cpu_prefill_inputs(h, kvh, d, chunks, dtype)
+            scale = 1 / math.sqrt(d)
+            ref.prepare(meta, BLOCK_SIZE)
+            cmeta = copy.copy(meta)
+            cpu.prepare(cmeta, BLOCK_SIZE)
+            err = (cpu.prefill(q, k, v, kc, vc, cmeta, scale).float()
+                   - ref.prefill(q, k, v, kc, vc, meta, scale).float()).abs().max().item()
+            flops = sum(4 * h * d * (n * c + n * (n + 1) // 2) for c, n in chunks)
+            t_ref, t_cpu = time_interleaved([lambda k_, v_: ref.prefill(q, k, v, kc, vc, meta, scale),
+                                             lambda k_, v_: cpu.prefill(q, k, v, kc, vc, cmeta, scale)],
+                                            [(kc, vc)], args.reps, args.stat)
+            desc = f"{chunks[0][0]}+{chunks[0][1]}" + (f" x{len(chunks)}" if len(chunks) > 1 else "")
+            print(f"{label:8} {dname:5} {f'{h}/{kvh}/{d}':>10} {desc:>14} {flops / 1e9:6.2f} | {t_ref * 1e3:9.2f} "
+                  f"{flops / t_ref / 1e9:7.1f} | {t_cpu * 1e3:8.2f} {flops / t_cpu / 1e9:7.1f} | "
+                  f"{t_ref / t_cpu:6.2f}x {err:8.1e}", flush=True)
+    print()
 
 
 # (label, q heads, kv heads, head dim, batch, context)
@@ -336,6 +473,9 @@ def main(argv=None):
                    help="default: bf16 fp32 on cpu, bf16 on cuda")
     p.add_argument("--peak-gbs", type=float, default=3350.0, help="cuda: HBM bandwidth for the floors (H100 SXM)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="cuda: dense bf16/fp16 TFLOP/s (H100 SXM)")
+    p.add_argument("--only", default=None, choices=["decode", "prefill"], help="cpu: run one table")
+    p.add_argument("--cpu-baseline", default=None, metavar="OLD.cpp",
+                   help="cpu: also time the decode kernel of an older paged_attention_cpu.cpp, built separately")
     p.add_argument("--prefill-baseline", default=None, metavar="MODULE",
                    help="cuda: also time MODULE.prefill_attention (e.g. an older triton_attention.py copied "
                         "into kernels/ as pagoda_kernels.old_attention) for before/after in one run")
