@@ -50,6 +50,7 @@ Redis layout, all under `{namespace}:` (fixed keys, declared to each script):
     affinity_lru ZSET   prefix key -> last use (bounded to `max_affinity_entries`)
     admit_log    LIST   admission times, newest first (the fleet's recent service rate)
     routers      HASH   router_id -> lease expiry (Redis server time)
+    attempt      HASH   request_id -> the enqueue attempt that created the entry (see `enqueue_and_place`)
 and `suspect_key` (default `{namespace}:engine_suspect`, the router passes the registry's): HASH
 engine_id -> time until which `place` skips that engine (a router saw its connection fail).
 Channels: `{namespace}:admitted:{router_id}` ("request_id engine_id"), `{namespace}:wake` (a
@@ -67,15 +68,20 @@ _SEQ_WIDTH = 16
 ADMIT_LOG_LENGTH = 256
 
 _KEY_NAMES = ("queue", "payload", "tokens", "score", "member", "skips", "admitted", "seq", "owner", "reserved",
-              "rsv_tokens", "active", "qtokens", "prefix", "affinity", "affinity_lru", "admit_log", "routers")
+              "rsv_tokens", "active", "qtokens", "prefix", "affinity", "affinity_lru", "admit_log", "routers",
+              "attempt")
 
 _PRELUDE = """
 local Q, PAYLOAD, TOKENS, SCORE, MEMBER, SKIPS, ADMITTED, SEQ, OWNER, RESERVED, RSV_TOKENS, ACTIVE,
-      QTOKENS, PREFIX, AFFINITY, AFFINITY_LRU, ADMIT_LOG, ROUTERS, SUSPECT = unpack(KEYS)
-local PER_ID = {PAYLOAD, TOKENS, SCORE, MEMBER, SKIPS, ADMITTED, OWNER, RESERVED, PREFIX}
-local function server_now()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+      QTOKENS, PREFIX, AFFINITY, AFFINITY_LRU, ADMIT_LOG, ROUTERS, ATTEMPT, SUSPECT = unpack(KEYS)
+local PER_ID = {PAYLOAD, TOKENS, SCORE, MEMBER, SKIPS, ADMITTED, OWNER, RESERVED, PREFIX, ATTEMPT}
+local clock_now = nil
+local function server_now()  -- read once per script: one step, one instant
+  if clock_now == nil then
+    local t = redis.call('TIME')
+    clock_now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  end
+  return clock_now
 end
 local function time_arg(arg)
   if arg == nil or arg == '' then return server_now() end
@@ -114,109 +120,147 @@ local function forget(id)
 end
 """
 
-# ARGV: request_id payload priority num_prompt_tokens now('' = server time) max_queue_size
-#       priority_step_s max_queue_wait_boost_s owner prefix max_queued_tokens lease_ttl_s('' = leave the lease)
-_ENQUEUE = _PRELUDE + """
-local id = ARGV[1]
-local need = tonumber(ARGV[4])
-if redis.call('HEXISTS', PAYLOAD, id) == 1 then return -2 end
-local depth = redis.call('ZCARD', Q)
-if depth >= tonumber(ARGV[6]) then return -1 end
--- A request larger than the whole token limit is still taken when nothing waits, or it never could be.
-if depth > 0 and tonumber(redis.call('GET', QTOKENS) or '0') + need > tonumber(ARGV[11]) then return -3 end
-local now = time_arg(ARGV[5])
-local shift = tonumber(ARGV[3]) * tonumber(ARGV[7])
-local boost = tonumber(ARGV[8])
-if shift > boost then shift = boost end
-local score = string.format('%.17g', now - shift)
-local seq = redis.call('INCR', SEQ)
-local member = string.format('%016d', seq) .. ':' .. id
-redis.call('ZADD', Q, score, member)
-redis.call('HSET', PAYLOAD, id, ARGV[2])
-redis.call('HSET', TOKENS, id, need)
-redis.call('HSET', SCORE, id, score)
-redis.call('HSET', MEMBER, id, member)
-if ARGV[9] ~= '' then
-  redis.call('HSET', OWNER, id, ARGV[9])
-  -- The owner's lease is renewed with the entry, so no reap can come between an enqueue and the
-  -- owner's first renewal (after a Redis restart, say).
-  if ARGV[12] ~= '' then
-    redis.call('HSET', ROUTERS, ARGV[9], string.format('%.17g', server_now() + tonumber(ARGV[12])))
+# enqueue(A), A: request_id payload priority num_prompt_tokens now('' = server time) max_queue_size
+#   priority_step_s max_queue_wait_boost_s owner prefix max_queued_tokens lease_ttl_s('' = leave the lease)
+#   attempt('' = none). Returns the new entry's rank, or -1 (queue full), -2 (id live), -3 (token limit),
+#   -4 (the entry exists and this same attempt created it).
+_ENQUEUE_FN = """
+local function enqueue(A)
+  local id = A[1]
+  local need = tonumber(A[4])
+  local attempt = A[13] or ''
+  if redis.call('HEXISTS', PAYLOAD, id) == 1 then
+    -- This very attempt, run again (redis-py retried after a lost reply): not a duplicate.
+    if attempt ~= '' and redis.call('HGET', ATTEMPT, id) == attempt then return -4 end
+    return -2
   end
+  local depth = redis.call('ZCARD', Q)
+  if depth >= tonumber(A[6]) then return -1 end
+  -- A request larger than the whole token limit is still taken when nothing waits, or it never could be.
+  if depth > 0 and tonumber(redis.call('GET', QTOKENS) or '0') + need > tonumber(A[11]) then return -3 end
+  local now = time_arg(A[5])
+  local shift = tonumber(A[3]) * tonumber(A[7])
+  local boost = tonumber(A[8])
+  if shift > boost then shift = boost end
+  local score = string.format('%.17g', now - shift)
+  local seq = redis.call('INCR', SEQ)
+  local member = string.format('%016d', seq) .. ':' .. id
+  redis.call('ZADD', Q, score, member)
+  redis.call('HSET', PAYLOAD, id, A[2])
+  redis.call('HSET', TOKENS, id, need)
+  redis.call('HSET', SCORE, id, score)
+  redis.call('HSET', MEMBER, id, member)
+  if A[9] ~= '' then
+    redis.call('HSET', OWNER, id, A[9])
+    -- The owner's lease is renewed with the entry, so no reap can come between an enqueue and the
+    -- owner's first renewal (after a Redis restart, say).
+    if A[12] ~= '' then
+      redis.call('HSET', ROUTERS, A[9], string.format('%.17g', server_now() + tonumber(A[12])))
+    end
+  end
+  if A[10] ~= '' then redis.call('HSET', PREFIX, id, A[10]) end
+  if attempt ~= '' then redis.call('HSET', ATTEMPT, id, attempt) end
+  redis.call('INCRBY', QTOKENS, need)
+  return redis.call('ZRANK', Q, member)
 end
-if ARGV[10] ~= '' then redis.call('HSET', PREFIX, id, ARGV[10]) end
-redis.call('INCRBY', QTOKENS, need)
-return redis.call('ZRANK', Q, member)
 """
 
-# ARGV: caller max_skips max_scan affinity_slack now channel_prefix max_affinity_entries,
-#       then (engine_id free_tokens max_active) per engine.
-_PLACE = _PRELUDE + """
-local caller, max_skips, slack = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4])
-local engines, maxfree = {}, nil
-local clock = server_now()
-for i = 8, #ARGV, 3 do
-  local cap = tonumber(ARGV[i + 2])
-  local active = tonumber(redis.call('HGET', ACTIVE, ARGV[i]) or '0')
-  local suspect = tonumber(redis.call('HGET', SUSPECT, ARGV[i]) or '0')
-  if active < cap and suspect <= clock then
-    local free = tonumber(ARGV[i + 1]) - tonumber(redis.call('HGET', RSV_TOKENS, ARGV[i]) or '0')
-    engines[#engines + 1] = {id = ARGV[i], free = free, load = active / cap}
-    if maxfree == nil or free > maxfree then maxfree = free end
-  end
-end
-if maxfree == nil then return false end
-local members = redis.call('ZRANGE', Q, 0, tonumber(ARGV[3]) - 1)
-local skipped = {}
-for _, member in ipairs(members) do
-  local id = string.sub(member, 18)
-  local need = tonumber(redis.call('HGET', TOKENS, id))
-  if need <= maxfree then
-    local best = nil
-    for _, e in ipairs(engines) do
-      if e.free >= need and (best == nil or e.load < best.load or (e.load == best.load and e.free > best.free)) then
-        best = e
-      end
+# place(A), A: caller max_skips max_scan affinity_slack now channel_prefix max_affinity_entries,
+#   then (engine_id free_tokens max_active) per engine. Returns {id, payload, need, engine_id, owner} or false.
+_PLACE_FN = """
+local function place(A)
+  local caller, max_skips, slack = A[1], tonumber(A[2]), tonumber(A[4])
+  local engines, maxfree = {}, nil
+  local clock = server_now()
+  for i = 8, #A, 3 do
+    local cap = tonumber(A[i + 2])
+    local active = tonumber(redis.call('HGET', ACTIVE, A[i]) or '0')
+    local suspect = tonumber(redis.call('HGET', SUSPECT, A[i]) or '0')
+    if active < cap and suspect <= clock then
+      local free = tonumber(A[i + 1]) - tonumber(redis.call('HGET', RSV_TOKENS, A[i]) or '0')
+      engines[#engines + 1] = {id = A[i], free = free, load = active / cap}
+      if maxfree == nil or free > maxfree then maxfree = free end
     end
-    local now = time_arg(ARGV[5])
-    local pfx = redis.call('HGET', PREFIX, id)
-    if pfx then
-      local aff = redis.call('HGET', AFFINITY, pfx)
+  end
+  if maxfree == nil then return false end
+  local members = redis.call('ZRANGE', Q, 0, tonumber(A[3]) - 1)
+  local skipped = {}
+  for _, member in ipairs(members) do
+    local id = string.sub(member, 18)
+    local need = tonumber(redis.call('HGET', TOKENS, id))
+    if need <= maxfree then
+      local best = nil
       for _, e in ipairs(engines) do
-        if e.id == aff and e.free >= need and e.load <= best.load + slack then best = e end
+        if e.free >= need and (best == nil or e.load < best.load or (e.load == best.load and e.free > best.free)) then
+          best = e
+        end
       end
-      redis.call('HSET', AFFINITY, pfx, best.id)
-      redis.call('ZADD', AFFINITY_LRU, now, pfx)
-      while redis.call('ZCARD', AFFINITY_LRU) > tonumber(ARGV[7]) do
-        local old = redis.call('ZPOPMIN', AFFINITY_LRU)
-        redis.call('HDEL', AFFINITY, old[1])
+      local now = time_arg(A[5])
+      local pfx = redis.call('HGET', PREFIX, id)
+      if pfx then
+        local aff = redis.call('HGET', AFFINITY, pfx)
+        for _, e in ipairs(engines) do
+          if e.id == aff and e.free >= need and e.load <= best.load + slack then best = e end
+        end
+        redis.call('HSET', AFFINITY, pfx, best.id)
+        redis.call('ZADD', AFFINITY_LRU, now, pfx)
+        while redis.call('ZCARD', AFFINITY_LRU) > tonumber(A[7]) do
+          local old = redis.call('ZPOPMIN', AFFINITY_LRU)
+          redis.call('HDEL', AFFINITY, old[1])
+        end
       end
+      dequeue(id, member)
+      redis.call('HSET', ADMITTED, id, best.id)
+      redis.call('HINCRBY', ACTIVE, best.id, 1)
+      redis.call('HSET', RESERVED, id, best.id)
+      redis.call('HINCRBY', RSV_TOKENS, best.id, need)
+      redis.call('LPUSH', ADMIT_LOG, string.format('%.17g', now))
+      redis.call('LTRIM', ADMIT_LOG, 0, """ + str(ADMIT_LOG_LENGTH - 1) + """)
+      for _, s in ipairs(skipped) do redis.call('HINCRBY', SKIPS, s, 1) end
+      local owner = redis.call('HGET', OWNER, id) or ''
+      if owner ~= '' and owner ~= caller then
+        redis.call('PUBLISH', A[6] .. 'admitted:' .. owner, id .. ' ' .. best.id)
+      end
+      return {id, redis.call('HGET', PAYLOAD, id), need, best.id, owner}
     end
-    dequeue(id, member)
-    redis.call('HSET', ADMITTED, id, best.id)
-    redis.call('HINCRBY', ACTIVE, best.id, 1)
-    redis.call('HSET', RESERVED, id, best.id)
-    redis.call('HINCRBY', RSV_TOKENS, best.id, need)
-    redis.call('LPUSH', ADMIT_LOG, string.format('%.17g', now))
-    redis.call('LTRIM', ADMIT_LOG, 0, """ + str(ADMIT_LOG_LENGTH - 1) + """)
-    for _, s in ipairs(skipped) do redis.call('HINCRBY', SKIPS, s, 1) end
-    local owner = redis.call('HGET', OWNER, id) or ''
-    if owner ~= '' and owner ~= caller then
-      redis.call('PUBLISH', ARGV[6] .. 'admitted:' .. owner, id .. ' ' .. best.id)
-    end
-    return {id, redis.call('HGET', PAYLOAD, id), need, best.id, owner}
+    if tonumber(redis.call('HGET', SKIPS, id) or '0') >= max_skips then return false end
+    skipped[#skipped + 1] = id
   end
-  if tonumber(redis.call('HGET', SKIPS, id) or '0') >= max_skips then return false end
-  skipped[#skipped + 1] = id
+  return false
 end
-return false
 """
 
-# ARGV: request_id wake_channel. Forgets a live id wherever it is (queued or admitted).
+_ENQUEUE = _PRELUDE + _ENQUEUE_FN + "return enqueue(ARGV)"
+_PLACE = _PRELUDE + _PLACE_FN + "return place(ARGV)"
+
+# ARGV: enqueue's 13 arguments, then place's. One atomic step, so it admits exactly what an enqueue
+# followed at once by a place would. Returns {error} (enqueue's negative codes but -4), or
+# {rank of the request after the admission (-1: not queued), engine it is admitted to ('' = none),
+#  requests still queued, then place's reply if it admitted one}.
+_ENQUEUE_PLACE = _PRELUDE + _ENQUEUE_FN + _PLACE_FN + """
+local E, P = {}, {}
+for i = 1, 13 do E[i] = ARGV[i] end
+for i = 14, #ARGV do P[#P + 1] = ARGV[i] end
+local rank = enqueue(E)
+if rank < 0 and rank ~= -4 then return {rank} end
+local admitted = place(P)
+local id = ARGV[1]
+local reply = {redis.call('ZRANK', Q, redis.call('HGET', MEMBER, id)) or -1,
+               redis.call('HGET', ADMITTED, id) or '', redis.call('ZCARD', Q)}
+if admitted then
+  for _, v in ipairs(admitted) do reply[#reply + 1] = v end
+end
+return reply
+"""
+
+# ARGV: request_id wake_channel attempt('' = any). Forgets a live id wherever it is (queued or admitted);
+# with an attempt, only the entry that attempt created (a late release never hits a newer one).
 _RELEASE = _PRELUDE + """
+if ARGV[3] ~= '' and redis.call('HGET', ATTEMPT, ARGV[1]) ~= ARGV[3] then return 0 end
 local was_admitted = redis.call('HEXISTS', ADMITTED, ARGV[1]) == 1
 if not forget(ARGV[1]) then return 0 end
-if was_admitted then redis.call('PUBLISH', ARGV[2], 'release') end
+-- A freed slot matters only to a waiting request (one enqueued later runs its own admission).
+if was_admitted and redis.call('ZCARD', Q) > 0 then redis.call('PUBLISH', ARGV[2], 'release') end
 return 1
 """
 
@@ -372,6 +416,20 @@ class Admitted:
     owner: str = ""
 
 
+@dataclass(frozen=True)
+class Placed:
+    """What `enqueue_and_place` did: where the new request stands, and the admission it made if any."""
+
+    position: int | None
+    """The request's 0-based place in the queue after the admission (None: it is not queued)."""
+    engine_id: str | None
+    """The engine the request is admitted to (None: still queued)."""
+    depth: int
+    """Requests still queued."""
+    admitted: Admitted | None
+    """The request this step admitted (the new one or one ahead of it), as `place` returns it."""
+
+
 def _time_arg(now: float | None) -> str:
     return "" if now is None else repr(float(now))
 
@@ -394,7 +452,7 @@ class RedisRequestQueue:
         self._active_key = key["active"]
         self.channel_prefix = f"{namespace}:"
         self.wake_channel = f"{namespace}:wake"
-        scripts = dict(enqueue=_ENQUEUE, place=_PLACE, release=_RELEASE, cancel=_CANCEL, requeue=_REQUEUE,
+        scripts = dict(enqueue=_ENQUEUE, place=_PLACE, enqueue_place=_ENQUEUE_PLACE, release=_RELEASE, cancel=_CANCEL, requeue=_REQUEUE,
                        started=_STARTED, position=_POSITION, renew=_RENEW, reap=_REAP, rate=_RATE)
         self._scripts = {name: redis.register_script(body) for name, body in scripts.items()}
 
@@ -424,6 +482,50 @@ class RedisRequestQueue:
         Raises:
             QueueFull, DuplicateRequest, ValueError.
         """
+        args = self._enqueue_args(request_id, payload, priority, num_prompt_tokens, now, owner, prefix, lease_ttl_s, "")
+        result = await self._run("enqueue", *args)
+        self._raise_refusal(result, request_id, num_prompt_tokens)
+        return int(result)
+
+    async def enqueue_and_place(self, request_id: str, payload: bytes, engines: list[EngineRoom], *,
+                                priority: int = 0, num_prompt_tokens: int, attempt: str, caller: str = "",
+                                now: float | None = None, owner: str = "", prefix: str = "",
+                                lease_ttl_s: float | None = None) -> Placed:
+        """`enqueue`, then `place(engines)`, as one atomic step: one round trip where the two calls take
+        two, and the same admissions as the two calls made back to back.
+
+        ``attempt`` names this enqueue (unique per call, e.g. random): sent again with the same
+        attempt (redis-py retries after a lost reply) the call does not refuse its own entry as a
+        duplicate but reports where it stands, and ``release(request_id, attempt=...)`` only
+        forgets the entry this attempt created. Other arguments as `enqueue` and `place`; the
+        owner of an admitted request other than ``caller`` is told as by `place`.
+
+        Raises:
+            QueueFull, DuplicateRequest, ValueError.
+        """
+        if not attempt:
+            raise ValueError("attempt must be non-empty")
+        cfg = self.config
+        args = self._enqueue_args(request_id, payload, priority, num_prompt_tokens, now, owner, prefix, lease_ttl_s,
+                                  attempt)
+        args += [caller, cfg.max_skips, cfg.max_scan, repr(float(cfg.affinity_slack)), _time_arg(now),
+                 self.channel_prefix, cfg.max_affinity_entries]
+        for e in engines:
+            args += [e.engine_id, int(e.free_tokens), max(0, int(e.max_active))]
+        result = await self._run("enqueue_place", *args)
+        if len(result) == 1:
+            self._raise_refusal(result[0], request_id, num_prompt_tokens)
+        position, engine_id, depth = int(result[0]), result[1].decode(), int(result[2])
+        admitted = None
+        if len(result) > 3:
+            rid, payload, need, eid, admitted_owner = result[3:]
+            admitted = Admitted(request_id=rid.decode(), payload=payload, num_prompt_tokens=int(need),
+                                engine_id=eid.decode(), owner=admitted_owner.decode())
+        return Placed(position=None if position < 0 else position, engine_id=engine_id or None, depth=depth,
+                      admitted=admitted)
+
+    def _enqueue_args(self, request_id: str, payload: bytes, priority: int, num_prompt_tokens: int,
+                      now: float | None, owner: str, prefix: str, lease_ttl_s: float | None, attempt: str) -> list:
         if not request_id:
             raise ValueError("request_id must be non-empty")
         if priority < 0:
@@ -431,18 +533,19 @@ class RedisRequestQueue:
         if num_prompt_tokens < 0:
             raise ValueError(f"num_prompt_tokens must be >= 0, got {num_prompt_tokens}")
         cfg = self.config
-        result = await self._run("enqueue", request_id, payload, int(priority), int(num_prompt_tokens),
-                                 _time_arg(now), cfg.max_queue_size, repr(float(cfg.priority_step_s)),
-                                 repr(float(cfg.max_queue_wait_boost_s)), owner, prefix, cfg.max_queued_tokens,
-                                 "" if lease_ttl_s is None else repr(float(lease_ttl_s)))
-        if result == -1:
+        return [request_id, payload, int(priority), int(num_prompt_tokens), _time_arg(now), cfg.max_queue_size,
+                repr(float(cfg.priority_step_s)), repr(float(cfg.max_queue_wait_boost_s)), owner, prefix,
+                cfg.max_queued_tokens, "" if lease_ttl_s is None else repr(float(lease_ttl_s)), attempt]
+
+    def _raise_refusal(self, code: int, request_id: str, num_prompt_tokens: int) -> None:
+        cfg = self.config
+        if code == -1:
             raise QueueFull(f"queue is full: {cfg.max_queue_size} requests waiting (max_queue_size={cfg.max_queue_size})")
-        if result == -2:
+        if code == -2:
             raise DuplicateRequest(f"request id {request_id!r} is already live")
-        if result == -3:
+        if code == -3:
             raise QueueFull(f"queue is full: {num_prompt_tokens} more prompt tokens would exceed "
                             f"max_queued_tokens={cfg.max_queued_tokens}")
-        return int(result)
 
     async def place(self, engines: list[EngineRoom], *, caller: str = "", now: float | None = None) -> Admitted | None:
         """Admit the next admissible request to the engine that should take it (module docstring), or None.
@@ -471,9 +574,13 @@ class RedisRequestQueue:
         """The request produced output on its engine: its reservation of the engine's room ends."""
         return bool(await self._run("started", request_id))
 
-    async def release(self, request_id: str) -> bool:
-        """Forget a finished/failed request (queued or admitted); the id becomes reusable."""
-        return bool(await self._run("release", request_id, self.wake_channel))
+    async def release(self, request_id: str, attempt: str = "") -> bool:
+        """Forget a finished/failed request (queued or admitted); the id becomes reusable.
+
+        With ``attempt``, only the entry that `enqueue_and_place` attempt created: a release retried
+        late (after a Redis outage) leaves a newer request with the same id alone.
+        """
+        return bool(await self._run("release", request_id, self.wake_channel, attempt))
 
     async def requeue(self, request_id: str) -> int | None:
         """Put an admitted request back at its original place; its new position, or None if not admitted.

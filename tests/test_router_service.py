@@ -175,7 +175,7 @@ def test_queue_full_and_unmeetable_deadline_are_refused_at_once(make_router):
     for i in range(5):  # recent admissions: the fleet's service rate
         client.generate([40 + i], max_tokens=30, ignore_eos=True)
     results = {}
-    threads = [threading.Thread(target=timed, args=(client, build_request([50 + i], max_tokens=60, ignore_eos=True),
+    threads = [threading.Thread(target=timed, args=(client, build_request([50 + i], max_tokens=200, ignore_eos=True),
                                                     results, i)) for i in range(4)]
     for t in threads:
         t.start()
