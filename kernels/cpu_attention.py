@@ -173,6 +173,18 @@ class CpuAttention(TorchAttention):
     def __init__(self) -> None:
         super().__init__("cpu")
         load_extension()  # build now (seconds, once per host) rather than inside the first step
+        self._reshape_and_cache = torch.ops.pagoda_cpu.reshape_and_cache.default
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """reshape_and_cache in one C++ pass (a row copy per token); torch's index_copy_ for layouts
+        the kernel does not take."""
+        if (key.stride(-1) == 1 and value.stride(-1) == 1 and key.stride(1) == key.shape[2]
+                and value.stride(1) == value.shape[2] and key_cache.is_contiguous() and value_cache.is_contiguous()
+                and slot_mapping.dtype == torch.int64 and key.dtype == key_cache.dtype == value.dtype):
+            self._reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous())
+        else:
+            super().write_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """The prefill kernel's int32 query offsets, lengths and tables, once per step (every layer

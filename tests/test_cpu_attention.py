@@ -402,3 +402,40 @@ def test_backend_prefill_matches_torch_backend(dtype):
     query_start[1:] = meta.prefill_query_lens.cumsum(0)
     torch.testing.assert_close(got.double(), prefill_reference(q, key_cache, value_cache, block_tables, query_start,
                                                                meta.prefill_seq_lens, 1 / math.sqrt(d)), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_backend_write_kv_matches_index_copy(dtype, num_tokens):
+    """The C++ reshape_and_cache writes exactly what write_kv's index_copy_ writes, from a strided
+    value view (the fused QKV output) and scattered slots, and touches no other slot."""
+    torch.manual_seed(num_tokens)
+    kvh, d, nb, bs = 3, 64, 40, 16
+    qkv = torch.randn(num_tokens, 9 * d + 2 * kvh * d).to(dtype)
+    key = qkv[:, 9 * d:(9 + kvh) * d].reshape(num_tokens, kvh, d).contiguous()
+    value = qkv[:, (9 + kvh) * d:].view(num_tokens, kvh, d)
+    slots = torch.randperm(nb * bs)[:num_tokens]
+    poison = torch.randn(nb, bs, kvh, d).to(dtype)
+    kc, vc, kc_ref, vc_ref = (poison.clone() for _ in range(4))
+    CpuAttention().write_kv(key, value, kc, vc, slots)
+    write_kv(key, value, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    flat = kc.view(-1, kvh, d)
+    assert torch.equal(flat[slots], key) and torch.equal(vc.view(-1, kvh, d)[slots], value)
+
+
+def test_reshape_and_cache_refuses_bad_slots_and_shapes():
+    load_extension()
+    op = torch.ops.pagoda_cpu.reshape_and_cache
+    kc = torch.zeros(4, 16, 2, 64)
+    vc = torch.zeros_like(kc)
+    k = torch.randn(3, 2, 64)
+    with pytest.raises(RuntimeError, match="slot 64 outside the cache"):
+        op(k, k, kc, vc, torch.tensor([0, 1, 64]))
+    with pytest.raises(RuntimeError, match="slot -1 outside"):
+        op(k, k, kc, vc, torch.tensor([0, -1, 2]))
+    with pytest.raises(RuntimeError, match="key / value must be"):
+        op(torch.randn(3, 4, 32), k, kc, vc, torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match="slot_mapping must be int64"):
+        op(k, k, kc, vc, torch.tensor([0, 1, 2], dtype=torch.int32))
+    assert not kc.any() and not vc.any()  # nothing written by a refused call

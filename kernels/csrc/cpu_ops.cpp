@@ -297,9 +297,46 @@ void silu_and_mul(const at::Tensor& gate_up, at::Tensor& out) {
   }
 }
 
+// reshape_and_cache: key / value [T, kv_heads, D] (each token's heads contiguous, token stride free,
+// e.g. views into the fused QKV output) -> their slots of key_cache / value_cache [num_blocks,
+// block_size, kv_heads, D] (contiguous). One copy of each token's row, parallel over tokens; torch's
+// index_copy_ moved ~6 GB/s here (257 us for a 2048-token step of SmolLM2, 30 times a step).
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                       const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  value_cache.sizes() == key_cache.sizes(), "caches must be contiguous [num_blocks, block_size, kv_heads, D] alike");
+  const int64_t kvh = key_cache.size(2), dim = key_cache.size(3), num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t rows = key.size(0), row = kvh * dim;
+  for (const at::Tensor* t : {&key, &value}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == rows && t->size(1) == kvh && t->size(2) == dim && t->stride(2) == 1 &&
+                    t->stride(1) == dim, "key / value must be [T, ", kvh, ", ", dim, "] with contiguous heads, got ",
+                t->sizes(), " strides ", t->strides());
+    TORCH_CHECK(t->scalar_type() == key_cache.scalar_type(), "key / value must have the caches' dtype");
+  }
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "caches must share a dtype");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.is_contiguous(), "slot_mapping must be int64 [T]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "slot ", slots[r], " outside the cache [0, ", num_slots, ")");
+  const int64_t bytes = row * static_cast<int64_t>(key.element_size());
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows * row * 2))
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(kc + slots[r] * bytes, k + r * ks, bytes);
+    std::memcpy(vc + slots[r] * bytes, v + r * vs, bytes);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
+  m.impl("reshape_and_cache", c10::DispatchKey::CPU, TORCH_FN(reshape_and_cache));
   m.def("rms_norm(Tensor x, Tensor(b!)? residual, Tensor weight, float eps, Tensor(a!) out) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("rotary_embedding(Tensor x, Tensor positions, Tensor cos_table, Tensor sin_table, Tensor(a!) out) -> ()");
