@@ -131,6 +131,16 @@ def test_peaked_softmax():
     check(q, kc, vc, bt, sl, 0.125)
 
 
+@pytest.mark.parametrize("h,kvh", [(4, 4), (9, 3), (8, 2), (16, 2)])  # GQA groups 1, 3, 4, 8
+@pytest.mark.parametrize("d", [64, 128])
+def test_bf16_peaked_softmax(op, h, kvh, d):
+    """bf16 (vdpbf16ps scores and P @ V, permuted accumulators) under large logits, so the running max
+    grows across spans and the accumulators are rescaled; odd lengths, one and two threads."""
+    q, kc, vc, bt, sl = make_inputs([300, 45, 1, 33, 97], h, kvh, d, 16, torch.bfloat16, seed=h + d, q_scale=30.0)
+    for num_threads in (1, 2):
+        check(q, kc, vc, bt, sl, 1 / math.sqrt(d), op=op, num_threads=num_threads)
+
+
 def test_strided_caches_and_tables():
     """Caches that are views of a larger tensor (per-layer slice, K and V interleaved) and a
     block table that is a column slice of a wider one."""
