@@ -40,6 +40,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from router.stack import colocated_engine_env  # noqa: E402
 
 
 def free_port() -> int:
@@ -225,7 +228,7 @@ def main() -> None:
                                            "--port", str(port), "--metrics-port", str(free_port()), "--model", model,
                                            "--dtype",
                                            args.dtype, "--max-model-len", "1024", "--redis-url", redis_url,
-                                           "--engine-id", f"e{i}", *quiet], cwd=ROOT))
+                                           "--engine-id", f"e{i}", *quiet], cwd=ROOT, env=colocated_engine_env()))
         router_target = f"127.0.0.1:{router_port}"
         procs.append(subprocess.Popen([sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port",
                                        str(router_port), "--metrics-port", "-1", "--redis-url", redis_url, *quiet],

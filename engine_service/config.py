@@ -47,6 +47,11 @@ class EngineConfig:
     # CPU without bf16 dot-product instructions (AVX512_BF16 / AMX) multiplies in float32 on its
     # bf16 weights (exact widening), which is that hardware's fastest way to do bf16 arithmetic.
     matmul_dtype: str = "auto"
+    # CPU: write the whole KV cache once at start-up (vLLM's CPU backend allocates it with
+    # torch.zeros), so that generation never page-faults it in 4 KiB at a time: on the shared bf16
+    # workload the first-touch faults cost ~4 s of a 54 s run (bench/RESULTS.md). Costs ~1 s per GiB
+    # of KV budget at start-up and commits that memory at once.
+    kv_cache_prefault: bool = True
 
     # Derived by finalize().
     num_kv_blocks: int = 0

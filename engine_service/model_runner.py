@@ -61,8 +61,10 @@ class ModelRunner:
         head_dim = self.model.layers[0].self_attn.head_dim
         shape = (model_config.num_hidden_layers, 2, config.num_kv_blocks, config.block_size,
                  model_config.num_key_value_heads, head_dim)
-        # torch.empty: pages are committed on first write, so a large budget costs nothing up front.
+        # torch.empty: pages are committed on first write (unless kv_cache_prefault writes them all now).
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu" and config.kv_cache_prefault:
+            self.kv_cache.zero_()  # every page faulted in now, not one by one in the steps that first write it
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.swap_cache = (torch.empty((*shape[:2], config.num_swap_blocks, *shape[3:]), dtype=self.dtype)
                            if config.num_swap_blocks else None)

@@ -31,6 +31,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def colocated_engine_env() -> dict[str, str]:
+    """The environment for an engine process that shares its cores with a router, Redis and clients:
+    OpenMP threads that sleep at once when idle (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning for
+    the next parallel region. With spinning threads, a router or client waiting for a core queues
+    behind them: on the 2-core dev host, with another process busy, the engine's own TTFT p50 was
+    133-152 ms spinning against 6 ms passive (bench/RESULTS.md). Alone on its cores, spinning is
+    ~10% faster (offline W: 677-723 vs 609-615 tok/s), so only co-located engines get this; an
+    ``OMP_WAIT_POLICY`` already set wins."""
+    return {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+
+
 def _wait_redis(port: int, proc: subprocess.Popen, timeout: float = 15) -> None:
     import redis
 
@@ -116,7 +127,8 @@ def main(args: argparse.Namespace) -> None:
         print(f"engine ({args.model}, {args.dtype}) on 127.0.0.1:{engine_port}")
         procs.append(subprocess.Popen([sys.executable, "-m", "engine_service", "serve", "--model", args.model,
                                        "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(engine_port),
-                                       "--metrics-port", str(_free_port()), "--redis-url", redis_url, *log_level]))
+                                       "--metrics-port", str(_free_port()), "--redis-url", redis_url, *log_level],
+                                      env=colocated_engine_env()))
         print(f"router on {target}")
         procs.append(subprocess.Popen([sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port",
                                        str(router_port), "--metrics-port", str(_free_port()), "--redis-url",

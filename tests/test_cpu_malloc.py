@@ -50,3 +50,34 @@ def test_opt_out_leaves_malloc_alone():
             "from engine_service import cpu_malloc; assert cpu_malloc.tune_for_engine() is False")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+
+PREFAULT_PROBE = """
+import re, sys
+from pathlib import Path
+from engine_service import LLM
+llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, kv_cache_memory_bytes=256 << 20,
+          kv_cache_prefault=sys.argv[2] == "1")
+cache = llm.llm_engine.runner.kv_cache
+start, end = cache.data_ptr(), cache.data_ptr() + cache.numel() * cache.element_size()
+kb = 0
+for block in re.split(r"\\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text()):
+    lo, hi = (int(x, 16) for x in block.split()[0].split("-"))
+    if lo < end and start < hi:
+        kb += int(re.search(r"\\nRss:\\s+(\\d+) kB", block).group(1))
+print(kb, (end - start) >> 10)
+"""
+
+
+def test_kv_cache_is_prefaulted_unless_asked_not_to(tiny_llama_dir):
+    """kv_cache_prefault (default): the whole KV cache is resident once the engine is up; off, its
+    pages are left untouched until steps write them. A fresh process, so the cache is a fresh mapping."""
+    for prefault in ("1", "0"):
+        out = subprocess.run([sys.executable, "-c", PREFAULT_PROBE, tiny_llama_dir, prefault], capture_output=True,
+                             text=True, check=True).stdout.split()
+        resident_kb, size_kb = int(out[-2]), int(out[-1])
+        if prefault == "1":
+            assert resident_kb >= size_kb
+        else:
+            assert resident_kb < size_kb // 4

@@ -150,8 +150,24 @@ def test_compose_file_uses_real_options():
         env = service.get("environment", {})
         if name.startswith("engine"):
             assert service["command"][:3] == ["python", "-m", "engine_service"]
-            assert {k.removeprefix("PAGODA_").lower() for k in env} <= engine_options
+            assert {k.removeprefix("PAGODA_").lower() for k in env if k.startswith("PAGODA_")} <= engine_options
+            # Engines share the host's cores with each other and the router: OpenMP threads must not spin.
+            assert set(env) - {k for k in env if k.startswith("PAGODA_")} == {"OMP_WAIT_POLICY"}
+            assert env["OMP_WAIT_POLICY"] == "PASSIVE"
             assert env["PAGODA_REDIS_URL"].startswith("redis://redis:")
         elif name == "router":
             assert service["command"][:3] == ["python", "-m", "router"]
             assert {k.removeprefix("PAGODA_ROUTER_").lower() for k in env} <= router_options
+
+
+def test_colocated_engines_do_not_spin(monkeypatch):
+    """Engines started next to a router (make run, bench/serve.py) get passive OpenMP waiting, unless
+    the caller chose a policy."""
+    from router.stack import colocated_engine_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("PAGODA_MODEL", "bundled")
+    env = colocated_engine_env()
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["PAGODA_MODEL"] == "bundled"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert colocated_engine_env()["OMP_WAIT_POLICY"] == "ACTIVE"
