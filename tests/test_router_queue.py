@@ -478,3 +478,31 @@ def test_queue_matches_reference_model(redis_url, ops):
         assert all(n <= 1 + requeued[key] for key, n in admissions.items())
     run_with_queue(redis_url, body, max_queue_size=_MAX_SIZE, max_queue_wait_boost_s=_BOOST,
                    max_skips=_MAX_SKIPS, priority_step_s=_STEP)
+
+
+def test_enqueue_and_place_is_one_step_and_its_attempt_is_idempotent(redis_url):
+    """enqueue_and_place admits at once where an engine has room and otherwise queues; the same
+    attempt sent again (a retried script whose reply was lost) reports where its entry stands instead
+    of refusing it as a duplicate; another attempt with a live id is a duplicate; a release tagged
+    with an attempt forgets only the entry that attempt created."""
+    async def body(q):
+        room = [EngineRoom("e0", free_tokens=100, max_active=1)]
+        placed = await q.enqueue_and_place("a", b"pa", room, num_prompt_tokens=10, attempt="t1")
+        assert placed.engine_id == "e0" and placed.position is None and placed.depth == 0
+        assert placed.admitted is not None and placed.admitted.request_id == "a" and placed.admitted.payload == b"pa"
+        again = await q.enqueue_and_place("a", b"pa", room, num_prompt_tokens=10, attempt="t1")
+        assert again.engine_id == "e0" and again.admitted is None  # reported, not admitted twice
+        with pytest.raises(DuplicateRequest):
+            await q.enqueue_and_place("a", b"pa", room, num_prompt_tokens=10, attempt="t2")
+        # e0 is full (max_active 1): the next request waits at the head of the queue.
+        waiting = await q.enqueue_and_place("b", b"pb", room, num_prompt_tokens=10, attempt="t3")
+        assert waiting.engine_id is None and waiting.position == 0 and waiting.depth == 1 and waiting.admitted is None
+        assert not await q.release("a", attempt="t2")  # not the attempt that created "a": left alone
+        assert await q.release("a", attempt="t1")
+        assert not await q.release("a", attempt="t1")
+        # "a"'s slot is free again: placing admits "b".
+        admitted = await q.place(room)
+        assert admitted is not None and admitted.request_id == "b"
+        with pytest.raises(ValueError, match="attempt"):
+            await q.enqueue_and_place("c", b"", room, num_prompt_tokens=1, attempt="")
+    run_with_queue(redis_url, body)
