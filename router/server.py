@@ -587,11 +587,11 @@ class RouterServer:
             owner=self.router_id, prefix=valid.prefix_key, lease_ttl_s=self.config.lease_ttl_s)
         self._redis_ok()
         admitted = placed.admitted
-        if admitted is not None and admitted.owner == self.router_id:
-            self._on_admitted(admitted.request_id, admitted.engine_id, model)
         if placed.engine_id is not None:
             # Ours already, also when this was a retried run of the script (its first reply lost).
             self._on_admitted(valid.request_id, placed.engine_id, model)
+        if admitted is not None and admitted.request_id != valid.request_id and admitted.owner == self.router_id:
+            self._on_admitted(admitted.request_id, admitted.engine_id, model)  # another of ours, ahead of it
         if admitted is not None and placed.depth > 0:
             # More may fit: the dispatcher goes on. (Nothing admitted: a round now would find the same.)
             self._wake.set()
