@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -17,20 +16,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.queue import Admitted, DuplicateRequest, EngineRoom, QueueFull, RedisRequestQueue
+from tests.fleet import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs a redis-server binary")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A private redis-server on a free port (never 6379), no persistence."""
-    port = _free_port()
+    port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", str(workdir)],
