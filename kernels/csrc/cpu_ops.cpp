@@ -15,7 +15,7 @@
 
 #include <omp.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -104,6 +104,37 @@ inline __m512d sq_hi(__m512 h) {
 #define PAGODA_EW_AVX512 0
 #endif
 
+// The same ops 8 lanes wide where the compiler targets AVX2 but not AVX-512 (Zen 1-3, older Intel).
+#if !PAGODA_EW_AVX512 && defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 round8(__m256 v, const float*) { return v; }
+inline __m128i to_bf16_bits(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  // 32 -> 16 bits (values fit in 16 unsigned bits): pack within lanes, then fix the lane order.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  return _mm256_castsi256_si128(packed);
+}
+inline __m256 round8(__m256 v, const bf16_t*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_bits(v)), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16_bits(v)); }
+inline double hsum4d(__m256d a) {
+  __m128d s = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+#define PAGODA_EW_AVX2 1
+#else
+#define PAGODA_EW_AVX2 0
+#endif
+
 template <typename T>
 void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride, const T* weight, T* out,
                    int64_t out_stride, int64_t rows, int64_t hidden, float eps) {
@@ -128,6 +159,19 @@ void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride
       acc1 = _mm512_add_pd(acc1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(hsq), 1))));
     }
     sumsq = _mm512_reduce_add_pd(_mm512_add_pd(acc0, acc1));
+#elif PAGODA_EW_AVX2
+    __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+    for (; i + 8 <= hidden; i += 8) {
+      __m256 h = load8(xr + i);
+      if (hr) {
+        h = round8(_mm256_add_ps(h, load8(hr + i)), static_cast<T*>(nullptr));
+        store8(hr + i, h);
+      }
+      const __m256 hsq = _mm256_mul_ps(h, h);
+      acc0 = _mm256_add_pd(acc0, _mm256_cvtps_pd(_mm256_castps256_ps128(hsq)));
+      acc1 = _mm256_add_pd(acc1, _mm256_cvtps_pd(_mm256_extractf128_ps(hsq, 1)));
+    }
+    sumsq = hsum4d(_mm256_add_pd(acc0, acc1));
 #endif
     sumsq += rms_row_scalar(xr, hr, i, hidden);
     const T* src = hr ? hr : xr;
@@ -138,6 +182,12 @@ void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride
     for (; i + 16 <= hidden; i += 16) {
       __m512 n = round16(_mm512_mul_ps(load16(src + i), vinv), static_cast<T*>(nullptr));
       store16(outr + i, _mm512_mul_ps(load16(weight + i), n));
+    }
+#elif PAGODA_EW_AVX2
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (; i + 8 <= hidden; i += 8) {
+      const __m256 n = round8(_mm256_mul_ps(load8(src + i), vinv), static_cast<T*>(nullptr));
+      store8(outr + i, _mm256_mul_ps(load8(weight + i), n));
     }
 #endif
     for (; i < hidden; ++i) {
@@ -247,6 +297,8 @@ void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at
 #if PAGODA_EW_AVX512
 // torch's own vectorised exp (Sleef, exported by libtorch_cpu): F.silu's exact arithmetic.
 extern "C" __m512 Sleef_expf16_u10(__m512);
+#elif PAGODA_EW_AVX2
+extern "C" __m256 Sleef_expf8_u10(__m256);  // what torch's AVX2 kernels call
 #endif
 
 // out = T(silu(gate)) * up, rounded to T, with gate / up the two halves of each row of gate_up
@@ -261,12 +313,29 @@ void silu_and_mul_impl(const T* gate_up, int64_t in_stride, T* out, int64_t out_
     T* o = out + r * out_stride;
     int64_t i = 0;
 #if PAGODA_EW_AVX512
+    // torch's vectorised loop takes 2 x Vectorized<T>::size() elements a step (64 bytes of T per
+    // vector) and leaves the rest to its scalar op: the same split gives every element torch's exp.
+    constexpr int64_t step = 2 * 64 / sizeof(T);
     const __m512 one = _mm512_set1_ps(1.f);
-    for (; i + 16 <= inter; i += 16) {
-      __m512 x = load16(g + i);
-      __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
-      __m512 s = round16(_mm512_div_ps(x, _mm512_add_ps(one, e)), static_cast<T*>(nullptr));
-      store16(o + i, _mm512_mul_ps(s, load16(u + i)));
+    for (; i + step <= inter; i += step) {
+      for (int64_t h = 0; h < step; h += 16) {
+        __m512 x = load16(g + i + h);
+        __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        __m512 s = round16(_mm512_div_ps(x, _mm512_add_ps(one, e)), static_cast<T*>(nullptr));
+        store16(o + i + h, _mm512_mul_ps(s, load16(u + i + h)));
+      }
+    }
+#elif PAGODA_EW_AVX2
+    // As above with 32-byte vectors.
+    constexpr int64_t step = 2 * 32 / sizeof(T);
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + step <= inter; i += step) {
+      for (int64_t h = 0; h < step; h += 8) {
+        const __m256 x = load8(g + i + h);
+        const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        const __m256 sx = round8(_mm256_div_ps(x, _mm256_add_ps(one, e)), static_cast<T*>(nullptr));
+        store8(o + i + h, _mm256_mul_ps(sx, load8(u + i + h)));
+      }
     }
 #endif
     for (; i < inter; ++i) {
