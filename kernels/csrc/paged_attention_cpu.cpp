@@ -49,8 +49,14 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define PAGODA_AVX512 1
+#define PAGODA_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PAGODA_AVX512 0
+#define PAGODA_AVX2 1
 #else
 #define PAGODA_AVX512 0
+#define PAGODA_AVX2 0
 #endif
 
 namespace {
@@ -153,6 +159,94 @@ inline __attribute__((always_inline)) V16 hsum16(const V16* a) {
 inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
 inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
 
+#elif PAGODA_AVX2
+// Two 8-lane halves (AVX2 + FMA + F16C: Zen 1-3, Intel before Skylake-SP). Lane i of the 16 is
+// lane i of lo for i < 8, lane i - 8 of hi otherwise.
+
+struct V16 {
+  __m256 lo, hi;
+};
+inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 bf16x8_to_ps(const bf16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline V16 vload(const bf16_t* p) { return {bf16x8_to_ps(p), bf16x8_to_ps(p + 8)}; }
+inline V16 vload(const f16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline void vstore(float* p, V16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline float hmax8(__m256 a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline float vreduce_max(V16 a) { return hmax8(_mm256_max_ps(a.lo, a.hi)); }
+inline float vreduce_add(V16 a) {
+  const __m256 s8 = _mm256_add_ps(a.lo, a.hi);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// Lanes < n of each half (n may be <= 0 or >= 8).
+inline __m256 half_mask(int n) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+// Lanes >= n become -inf.
+inline V16 vmask_ninf(V16 a, int n) {
+  const __m256 ninf = _mm256_set1_ps(kNegInf);
+  return {_mm256_blendv_ps(ninf, a.lo, half_mask(n)), _mm256_blendv_ps(ninf, a.hi, half_mask(n - 8))};
+}
+// 2^x for x <= 0 (x = -inf allowed; gives 0 below 2^-126, where callers mask anyway).
+inline __m256 exp2_ps(__m256 a) {
+  const __m256 x = _mm256_max_ps(a, _mm256_set1_ps(-127.f));
+  const __m256 k = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(x, k);  // [-0.5, 0.5]
+  // 2^r = e^(r ln2), Taylor to degree 7 (rel. error ~5e-9 on [-0.5, 0.5]).
+  __m256 p = _mm256_set1_ps(1.5252733804059841e-05f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.5403530393381606e-04f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3333558146428441e-03f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.6181291076284772e-03f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.5504108664821580e-02f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.4022650695910071e-01f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.9314718055994531e-01f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // 2^k as a float: k + 127 in the exponent field (k = -127 gives +0).
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+// 2^x for x <= 0 (x = -inf allowed; lanes >= n forced to 0).
+inline V16 vexp2_masked(V16 a, int n) {
+  return {_mm256_and_ps(half_mask(n), exp2_ps(a.lo)), _mm256_and_ps(half_mask(n - 8), exp2_ps(a.hi))};
+}
+// Lane t of the result = sum of the 8 lanes of a[t], t < 8.
+inline __m256 hsum8x8(const __m256* a) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+// out lane t = sum of the 16 lanes of a[t].
+inline __attribute__((always_inline)) V16 hsum16(const V16* a) {
+  __m256 s[16];
+  for (int t = 0; t < 16; ++t) s[t] = _mm256_add_ps(a[t].lo, a[t].hi);
+  return {hsum8x8(s), hsum8x8(s + 8)};
+}
+// Inline asm for the reason given in the AVX-512 branch.
+inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
+
 #else  // portable fallback
 
 struct V16 {
@@ -227,7 +321,7 @@ inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #define PAGODA_DPBF16 0
 #endif
 
-#if PAGODA_AVX512
+#if PAGODA_AVX512 || PAGODA_AVX2
 #define PAGODA_INLINE inline __attribute__((always_inline))
 #else
 #define PAGODA_INLINE inline
