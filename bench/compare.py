@@ -37,12 +37,19 @@ import time, torch
 out = {}
 for name in ("float32", "bfloat16"):
     dt = getattr(torch, name)
-    a, b = torch.randn(2048, 2048, dtype=dt), torch.randn(2048, 2048, dtype=dt)
+    # 2048^3, unless the dtype is so slow here (bf16 on a CPU without bf16 instructions: torch's
+    # reference GEMM, ~1 GFLOP/s) that five of them would take minutes: then 512^3.
+    a, b = torch.randn(512, 512, dtype=dt), torch.randn(512, 512, dtype=dt)
+    a @ b
+    t = time.perf_counter()
+    a @ b
+    n = 2048 if (time.perf_counter() - t) * 64 * 5 < 20 else 512
+    a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
     a @ b
     t = time.perf_counter()
     for _ in range(5):
         a @ b
-    out[name] = 2 * 2048 ** 3 * 5 / (time.perf_counter() - t) / 1e9
+    out[name] = 2 * n ** 3 * 5 / (time.perf_counter() - t) / 1e9
 print(out)
 """
 
