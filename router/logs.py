@@ -11,7 +11,10 @@ import structlog
 def configure_logging(level: str = "INFO") -> None:
     shared = [structlog.contextvars.merge_contextvars, structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name,
               structlog.processors.TimeStamper(fmt="iso", utc=True)]
-    structlog.configure(processors=shared + [structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+    # filter_by_level first: an event below the level (the router's per-request debug events) is
+    # dropped before the other processors time-stamp and copy it.
+    structlog.configure(processors=[structlog.stdlib.filter_by_level, *shared,
+                                    structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
                         logger_factory=structlog.stdlib.LoggerFactory(),
                         wrapper_class=structlog.stdlib.BoundLogger, cache_logger_on_first_use=True)
     handler = logging.StreamHandler()
