@@ -186,6 +186,7 @@ CPU_PREFILL_CASES = [
     ("smollm2", 9, 3, 64, [(0, 2048)]),
     ("smollm2", 9, 3, 64, [(1536, 512)]),
     ("smollm2", 9, 3, 64, [(256, 256)] * 8),
+    ("smollm2", 9, 3, 64, [(0, 96), (0, 480), (0, 300), (0, 200), (0, 410), (0, 150), (0, 412)]),  # a W step
 ]
 
 
@@ -224,12 +225,24 @@ def _cpu_prefill_inputs(h, kvh, d, chunks, dtype, seed=0):
     return q, k, v, kc, vc, meta
 
 
+def _without_amx(fn):
+    torch.ops.pagoda_cpu.set_prefill_amx(False)
+    try:
+        return fn()
+    finally:
+        torch.ops.pagoda_cpu.set_prefill_amx(True)
+
+
 def bench_cpu_prefill(args, cpu):
     from pagoda_kernels.attention import TorchAttention
     from pagoda_kernels.cpu_attention import prefill_supported
 
     ref = TorchAttention()
-    print("== prefill / chunked prefill (chunks = cached context + query tokens per sequence)")
+    # bf16 on AMX tiles where the CPU has them; the vector panels are timed beside them.
+    amx = torch.bfloat16 in [DTYPES[d] for d in args.dtype] and prefill_supported(torch.bfloat16) \
+        and bool(torch.ops.pagoda_cpu.set_prefill_amx(True))
+    print("== prefill / chunked prefill (chunks = cached context + query tokens per sequence)"
+          + (" [bf16: AMX; the vector panels timed beside it]" if amx else ""))
     header = (f"{'model':8} {'dtype':5} {'H/KV/D':>10} {'chunks':>14} {'GFLOP':>6} | {'torch ms':>9} {'GFLOP/s':>7} | "
               f"{'cpu ms':>8} {'GFLOP/s':>7} | {'speedup':>7} {'max err':>8}")
     print(header)
@@ -248,13 +261,16 @@ def bench_cpu_prefill(args, cpu):
             err = (cpu.prefill(q, k, v, kc, vc, cmeta, scale).float()
                    - ref.prefill(q, k, v, kc, vc, meta, scale).float()).abs().max().item()
             flops = sum(4 * h * d * (n * c + n * (n + 1) // 2) for c, n in chunks)
-            t_ref, t_cpu = time_interleaved([lambda k_, v_: ref.prefill(q, k, v, kc, vc, meta, scale),
-                                             lambda k_, v_: cpu.prefill(q, k, v, kc, vc, cmeta, scale)],
-                                            [(kc, vc)], args.reps, args.stat)
+            fns = [lambda k_, v_: ref.prefill(q, k, v, kc, vc, meta, scale),
+                   lambda k_, v_: cpu.prefill(q, k, v, kc, vc, cmeta, scale)]
+            if amx and dtype == torch.bfloat16:
+                fns.append(lambda k_, v_: _without_amx(lambda: cpu.prefill(q, k, v, kc, vc, cmeta, scale)))
+            t_ref, t_cpu, *t_vec = time_interleaved(fns, [(kc, vc)], args.reps, args.stat)
             desc = f"{chunks[0][0]}+{chunks[0][1]}" + (f" x{len(chunks)}" if len(chunks) > 1 else "")
+            vec = f" | vectors {t_vec[0] * 1e3:.2f} ms: AMX {t_vec[0] / t_cpu:.2f}x" if t_vec else ""
             print(f"{label:8} {dname:5} {f'{h}/{kvh}/{d}':>10} {desc:>14} {flops / 1e9:6.2f} | {t_ref * 1e3:9.2f} "
                   f"{flops / t_ref / 1e9:7.1f} | {t_cpu * 1e3:8.2f} {flops / t_cpu / 1e9:7.1f} | "
-                  f"{t_ref / t_cpu:6.2f}x {err:8.1e}", flush=True)
+                  f"{t_ref / t_cpu:6.2f}x {err:8.1e}{vec}", flush=True)
     print()
 
 

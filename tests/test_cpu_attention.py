@@ -3,6 +3,7 @@ and against TorchAttention."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -229,6 +230,52 @@ PREFILL_DTYPES = [d for d in (torch.float32, torch.bfloat16) if prefill_supporte
 needs_prefill = pytest.mark.skipif(not PREFILL_DTYPES, reason="no C++ prefill kernel on this CPU")
 
 
+def _prefill_amx_available() -> bool:
+    if torch.bfloat16 not in PREFILL_DTYPES:
+        return False
+    load_extension()
+    return bool(torch.ops.pagoda_cpu.set_prefill_amx(True))
+
+
+# (dtype, AMX panels): the bf16 kernel runs on AMX tiles where the CPU has them (the default) and
+# on AVX512_BF16 vectors otherwise; on an AMX host both paths are checked.
+PREFILL_AMX = _prefill_amx_available()
+PREFILL_VARIANTS = [(d, False) for d in PREFILL_DTYPES] + ([(torch.bfloat16, True)] if PREFILL_AMX else [])
+PREFILL_VARIANT_IDS = [f"{str(d).removeprefix('torch.')}{'-amx' if amx else ''}" for d, amx in PREFILL_VARIANTS]
+
+
+@pytest.fixture
+def prefill_variant(request):
+    """The dtype of a PREFILL_VARIANTS entry, with the kernel's AMX switch set for it."""
+    dtype, amx = request.param
+    if PREFILL_DTYPES:
+        torch.ops.pagoda_cpu.set_prefill_amx(amx)
+    yield dtype
+    if PREFILL_DTYPES:
+        torch.ops.pagoda_cpu.set_prefill_amx(True)
+
+
+def each_prefill_variant():
+    """Iterate the variants inside one test (the AMX switch set for each, restored after)."""
+    try:
+        for dtype, amx in PREFILL_VARIANTS:
+            torch.ops.pagoda_cpu.set_prefill_amx(amx)
+            yield dtype
+    finally:
+        if PREFILL_DTYPES:
+            torch.ops.pagoda_cpu.set_prefill_amx(True)
+
+
+def test_prefill_uses_amx_where_the_cpu_has_it():
+    """AMX is the bf16 prefill path on CPUs with AMX-BF16 (Linux grants the tile state), and off elsewhere."""
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    cpu_has_amx = " amx_bf16" in flags and " amx_tile" in flags and torch.bfloat16 in PREFILL_DTYPES
+    assert PREFILL_AMX == cpu_has_amx
+    if PREFILL_AMX:
+        assert torch.ops.pagoda_cpu.set_prefill_amx(False) is False
+        assert torch.ops.pagoda_cpu.set_prefill_amx(True) is True
+
+
 def prefill_reference(q, key_cache, value_cache, block_tables, query_start, seq_lens, scale):
     """float64: query i of a chunk of length L in a sequence of length S attends to keys 0 .. S - L + i,
     read through the sequence's block table."""
@@ -309,11 +356,12 @@ def prefill_op():
 
 
 @needs_prefill
-@pytest.mark.parametrize("dtype", PREFILL_DTYPES)
+@pytest.mark.parametrize("prefill_variant", PREFILL_VARIANTS, ids=PREFILL_VARIANT_IDS, indirect=True)
 @pytest.mark.parametrize("h,kvh", [(4, 4), (9, 3), (8, 2)])  # GQA groups 1, 3, 4
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bs", [16, 32])
-def test_prefill_matches_reference(dtype, h, kvh, d, bs):
+def test_prefill_matches_reference(prefill_variant, h, kvh, d, bs):
+    dtype = prefill_variant
     inputs = make_prefill_inputs(PREFILL_CHUNKS, h, kvh, d, bs, dtype, seed=h * 100 + d + bs)
     check_prefill(*inputs, 1 / math.sqrt(d))
 
@@ -321,7 +369,7 @@ def test_prefill_matches_reference(dtype, h, kvh, d, bs):
 @needs_prefill
 @pytest.mark.parametrize("d", [80, 96])
 def test_prefill_other_head_sizes(d):
-    for dtype in PREFILL_DTYPES:
+    for dtype in each_prefill_variant():
         inputs = make_prefill_inputs([(0, 45), (30, 7), (0, 1)], 6, 2, d, 16, dtype, seed=d)
         check_prefill(*inputs, 1 / math.sqrt(d))
 
@@ -332,7 +380,7 @@ def test_prefill_thread_counts_and_long_context(prefill_op, num_threads):
     """A long chunk after a long context next to short ones (many key tiles, items of very different
     sizes), with logits large enough that the running max changes across key tiles (at q_scale 8 a
     float32 torch softmax is itself ~2e-5 off the float64 reference)."""
-    for dtype in PREFILL_DTYPES:
+    for dtype in each_prefill_variant():
         inputs = make_prefill_inputs([(700, 300), (0, 3), (40, 90)], 12, 4, 64, 16, dtype, seed=num_threads,
                                      q_scale=4.0)
         check_prefill(*inputs, 0.125, op=prefill_op, num_threads=num_threads)
