@@ -68,7 +68,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.swap_cache = (torch.empty((*shape[:2], config.num_swap_blocks, *shape[3:]), dtype=self.dtype)
                            if config.num_swap_blocks else None)
-        self.sampler = Sampler(self.vocab_size, eos_token_ids)
+        self.sampler = Sampler(self.vocab_size, eos_token_ids, argmax=self.layer_ops.argmax)
 
     # ---- block movement -----------------------------------------------------------------------
 

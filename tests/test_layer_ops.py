@@ -105,3 +105,26 @@ def test_silu_and_mul_bf16_is_bit_exact_for_every_gate_value(ops):
         finite = ~want.isnan()
         same = got.view(torch.int16)[finite] == want.view(torch.int16)[finite]
         assert bool(same.all()), f"{int((~same).sum())} of {int(finite.sum())} differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (3, 16), (5, 17), (64, 49152), (300, 1000)])
+def test_argmax_matches_torch_max_indices(ops, dtype, rows, vocab):
+    """Greedy sampling's argmax: the first maximum of each row, ties, -inf rows and NaNs included, on
+    strided rows (a vocabulary slice of padded logits) and across the multi-thread threshold."""
+    cpu, ref = ops
+    g = torch.Generator().manual_seed(rows * vocab)
+    padded = torch.randn(rows, vocab + 5, generator=g).to(dtype)
+    # few distinct values, so rows have ties for the maximum at several places
+    padded = (padded * 2).round() if rows % 2 else padded
+    logits = padded[:, :vocab]
+    logits[0] = float("-inf")
+    if rows > 2:
+        logits[1, vocab // 2] = float("nan")
+        logits[1, vocab - 1] = float("nan")
+        logits[2, -1] = float("inf")  # the maximum in the scalar tail
+    got = cpu.argmax(logits)
+    want = logits.max(-1).indices
+    assert got.dtype == torch.long and got.shape == (rows,)
+    assert torch.equal(got, want), (got[got != want][:5], want[got != want][:5])
+    assert torch.equal(ref.argmax(logits), want)

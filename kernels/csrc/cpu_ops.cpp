@@ -447,6 +447,75 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   }
 }
 
+// Greedy sampling's argmax: out[r] = the index of the first maximum of row r of x [N, V] (row
+// stride free), as torch's max(-1).indices: a NaN is the maximum (the first NaN's index). One pass
+// per row with 16 running (value, index) lanes, rows split over the threads; torch's bf16 max ran
+// on one thread here (~7.5 ms a decode step for 256 x 49152 logits, 4% of the step).
+template <typename T>
+int64_t argmax_row(const T* row, int64_t v) {
+  int64_t i = 0, bi = 0;
+  float best = -INFINITY;
+  bool nan = false;
+#if PAGODA_EW_AVX512
+  if (v >= 16) {
+    __m512 bv = _mm512_set1_ps(-INFINITY);
+    __m512i bidx = _mm512_setzero_si512();
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 anynan = 0;
+    for (; i + 16 <= v; i += 16) {
+      const __m512 x = load16(row + i);
+      const __mmask16 gt = _mm512_cmp_ps_mask(x, bv, _CMP_GT_OQ);  // strict: each lane keeps its first
+      anynan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      bv = _mm512_mask_mov_ps(bv, gt, x);
+      bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
+      idx = _mm512_add_epi32(idx, step);
+    }
+    nan = anynan != 0;
+    best = _mm512_reduce_max_ps(bv);
+    // the smallest index among the lanes holding the maximum (all lanes hold index 0 if no value
+    // beat -inf: then the row's first element is the answer)
+    bi = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(bv, _mm512_set1_ps(best), _CMP_EQ_OQ), bidx);
+  }
+#endif
+  for (; i < v; ++i) {
+    const float x = load(row[i]);
+    if (x > best) {
+      best = x;
+      bi = i;
+    }
+    nan |= std::isnan(x);
+  }
+  if (nan)
+    for (int64_t j = 0; j < v; ++j)
+      if (std::isnan(load(row[j]))) return j;
+  return bi;
+}
+
+void argmax(const at::Tensor& x, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0, "x must be [N, V] with contiguous rows, V > 0");
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == x.size(0) && out.scalar_type() == at::kLong && out.is_contiguous(),
+              "out must be a contiguous int64 [N]");
+  const int64_t n = x.size(0), v = x.size(1), stride = x.stride(0);
+  int64_t* o = out.data_ptr<int64_t>();
+  switch (x.scalar_type()) {
+    case at::kFloat: {
+      const float* p = x.data_ptr<float>();
+#pragma omp parallel for schedule(static) num_threads(threads_for(n * v))
+      for (int64_t r = 0; r < n; ++r) o[r] = argmax_row(p + r * stride, v);
+      break;
+    }
+    case at::kBFloat16: {
+      const bf16_t* p = static_cast<const bf16_t*>(x.data_ptr());
+#pragma omp parallel for schedule(static) num_threads(threads_for(n * v))
+      for (int64_t r = 0; r < n; ++r) o[r] = argmax_row(p + r * stride, v);
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "argmax: unsupported dtype ", x.scalar_type());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
@@ -458,4 +527,6 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(rotary_embedding));
   m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
+  m.def("argmax(Tensor x, Tensor(a!) out) -> ()");
+  m.impl("argmax", c10::DispatchKey::CPU, TORCH_FN(argmax));
 }
