@@ -136,15 +136,21 @@ class LlamaAttention(nn.Module):
         q = ops.rotary(q, rope)
         k = ops.rotary(k, rope)
         key_cache, value_cache = kv_cache
+        # Rows past the step's tokens are padding (LlamaForCausalLM.gemm_row_multiple): no K/V, no attention.
+        tr = meta.slot_mapping.shape[0]
+        if tr != t:
+            q, k, v = q[:tr], k[:tr], v[:tr]
         attn.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
-        if nd == t:
+        if nd == tr:
             out = attn.decode(q, key_cache, value_cache, meta, self.scale)
         elif nd == 0:
             out = attn.prefill(q, k, v, key_cache, value_cache, meta, self.scale)
         else:
             out = torch.cat([attn.decode(q[:nd], key_cache, value_cache, meta, self.scale),
                              attn.prefill(q[nd:], k[nd:], v[nd:], key_cache, value_cache, meta, self.scale)])
+        if tr != t:
+            out = F.pad(out, (0, 0, 0, 0, 0, t - tr))
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -196,6 +202,10 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         self.embed_tokens_matmul_weight: torch.Tensor | None = None
         self.tied_lm_head_packed: torch.Tensor | None = None  # pack_weights()
+        # GEMM inputs are padded with rows up to a multiple of this (pack_weights sets 8): oneDNN
+        # builds a primitive per row count on first use (~2 ms per weight shape on a 2-core Xeon), and
+        # as requests finish nearly every decode step has a new count (~10 ms a step before this).
+        self.gemm_row_multiple = 1
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         cos, sin = _rope_tables(config, max_positions)
@@ -206,24 +216,35 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, attn,
                 ops: TorchLayerOps | None = None) -> torch.Tensor:
         ops = ops or TorchLayerOps()
+        t = input_ids.shape[0]
+        pad = -t % self.gemm_row_multiple
+        if pad:  # padding rows: token 0 at position 0, dropped again by the caller
+            input_ids = F.pad(input_ids, (0, pad))
+            positions = F.pad(positions, (0, pad))
         h = self.embed_tokens(input_ids)
         rope = ops.rope_inputs(positions, self.rope_cos, self.rope_sin, h.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, rope, kv_cache, meta, attn, ops)
-        return ops.rms_norm(h, residual, self.norm.weight, self.norm.eps)
+        return ops.rms_norm(h, residual, self.norm.weight, self.norm.eps)[:t]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model dtype (the sampler widens them only when it does more than argmax).
         A wider weight's output is rounded to the model dtype first, as a bf16 LM head's output
         is (greedy ties break alike)."""
+        n = hidden.shape[0]
+        pad = -n % self.gemm_row_multiple
+        if pad:
+            hidden = F.pad(hidden, (0, 0, 0, pad))
         if not self.tie_word_embeddings:
-            return self.lm_head(hidden)
-        if self.tied_lm_head_packed is not None:
-            return linear(hidden, self.tied_lm_head_packed, packed=True)
-        weight = self.embed_tokens_matmul_weight if self.embed_tokens_matmul_weight is not None \
-            else self.embed_tokens.weight
-        return linear(hidden, weight)
+            logits = self.lm_head(hidden)
+        elif self.tied_lm_head_packed is not None:
+            logits = linear(hidden, self.tied_lm_head_packed, packed=True)
+        else:
+            weight = self.embed_tokens_matmul_weight if self.embed_tokens_matmul_weight is not None \
+                else self.embed_tokens.weight
+            logits = linear(hidden, weight)
+        return logits[:n]
 
     def pack_weights(self, batch_hint: int) -> bool:
         """Reorder every GEMM weight (the LM head included) into oneDNN's blocked layout once
@@ -236,7 +257,10 @@ class LlamaForCausalLM(nn.Module):
                 return False
             self.tied_lm_head_packed, self.embed_tokens_matmul_weight = packed, None
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        return all([m.pack(batch_hint) for m in linears])
+        packed = all([m.pack(batch_hint) for m in linears])
+        if packed:
+            self.gemm_row_multiple = 8
+        return packed
 
     def set_matmul_dtype(self, dtype: torch.dtype) -> None:
         """Keep the linear layers' (and a tied LM head's) weights in ``dtype`` for their GEMMs; the
