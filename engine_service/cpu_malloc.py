@@ -52,3 +52,29 @@ def tune_for_engine() -> bool:
         logger.info("glibc malloc tuned for CPU inference: mmap threshold %d MiB, heap kept (trim threshold %d MiB)",
                     MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
     return ok
+
+
+MADV_HUGEPAGE = 14  # madvise(2)
+_HUGE_PAGE = 2 << 20
+
+
+def advise_huge_pages(tensor) -> bool:
+    """Ask Linux to back ``tensor``'s memory (the 2 MiB-aligned part of it) with transparent huge
+    pages, before its first touch. For the KV cache: decode attention reads each sequence's blocks
+    at scattered places, a TLB miss per 4 KiB page otherwise. Does nothing (False) off Linux/glibc
+    or where THP is disabled ("never" in /sys/kernel/mm/transparent_hugepage/enabled)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
+            if "[never]" in f.read():
+                return False
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    lo, hi = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
+    if hi <= lo:
+        return False
+    return madvise(lo, hi - lo, MADV_HUGEPAGE) == 0

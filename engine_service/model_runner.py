@@ -63,8 +63,12 @@ class ModelRunner:
                  model_config.num_key_value_heads, head_dim)
         # torch.empty: pages are committed on first write (unless kv_cache_prefault writes them all now).
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache_huge_pages = False
         if self.device.type == "cpu" and config.kv_cache_prefault:
-            self.kv_cache.zero_()  # every page faulted in now, not one by one in the steps that first write it
+            # Huge pages where the kernel has them (faulted in here, 2 MiB at a time), then every page
+            # faulted in now, not one by one in the steps that first write it.
+            self.kv_cache_huge_pages = cpu_malloc.advise_huge_pages(self.kv_cache)
+            self.kv_cache.zero_()
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.swap_cache = (torch.empty((*shape[:2], config.num_swap_blocks, *shape[3:]), dtype=self.dtype)
                            if config.num_swap_blocks else None)

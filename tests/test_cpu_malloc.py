@@ -81,3 +81,54 @@ def test_kv_cache_is_prefaulted_unless_asked_not_to(tiny_llama_dir):
             assert resident_kb >= size_kb
         else:
             assert resident_kb < size_kb // 4
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def _vm_flags_of(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps", encoding="ascii") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return []
+
+
+def test_kv_cache_memory_is_advised_for_huge_pages():
+    """advise_huge_pages marks the tensor's 2 MiB-aligned memory MADV_HUGEPAGE (the mapping's VmFlags
+    show 'hg') wherever transparent huge pages are not switched off, and reports False where they are."""
+    import torch
+
+    from engine_service import cpu_malloc
+
+    mode = _thp_mode()
+    t = torch.empty(16 << 20, dtype=torch.uint8)
+    advised = cpu_malloc.advise_huge_pages(t)
+    if mode is None or mode == "never":
+        assert advised is False
+        return
+    assert advised is True
+    aligned = -(-t.data_ptr() // (2 << 20)) * (2 << 20)
+    assert "hg" in _vm_flags_of(aligned)
+    assert cpu_malloc.advise_huge_pages(torch.empty(1024, dtype=torch.uint8)) is False  # no whole 2 MiB page
+
+
+def test_engine_kv_cache_is_advised_for_huge_pages():
+    """The model runner advises its pre-faulted KV cache (CPU)."""
+    from engine_service import LLM
+
+    llm = LLM(model="bundled", dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512, max_num_seqs=4)
+    runner = llm.llm_engine.runner
+    assert runner.kv_cache_huge_pages == (_thp_mode() not in (None, "never"))
