@@ -88,8 +88,8 @@ class TorchAttention:
         meta.cache = cache
 
     def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [Bd, H, D] -> [Bd, H, D]; one query per sequence."""
+               meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [Bd, H, D] -> [Bd, H, D] (written into ``out`` if given); one query per sequence."""
         bd, h, d = q.shape
         kvh = key_cache.shape[2]
         k = _gather(key_cache, meta.decode_block_tables)  # [Bd, L, kvh, D]
@@ -100,18 +100,22 @@ class TorchAttention:
         probs = scores.softmax(-1).to(q.dtype)
         # Slots past a sequence's end hold whatever the pool had: zero them so 0 * NaN cannot leak.
         v = v.masked_fill(~meta.cache["decode_mask"][:, :, None, None], 0)
-        return torch.matmul(probs, v.transpose(1, 2)).view(bd, h, d)
+        res = torch.matmul(probs, v.transpose(1, 2)).view(bd, h, d)
+        return res if out is None else out.copy_(res)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [Tp, H, D], k/v [Tp, kv_heads, D]: the prefill chunks back to back -> [Tp, H, D].
+                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [Tp, H, D], k/v [Tp, kv_heads, D]: the prefill chunks back to back -> [Tp, H, D] (written
+        into ``out`` if given).
 
         One fused SDPA call per prefilling sequence (a step has few: they share the token budget).
         A chunk with no earlier context attends to its own K/V with the causal kernel; a later
         chunk or a prefix-cache hit reads its context through the block table with a
         bottom-right-aligned causal mask (additive: a boolean mask is 2-3x slower on CPU).
         """
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         masks = meta.cache["prefill_masks"]
         for i, (q0, qlen, start, seq_len, nb) in enumerate(meta.cache["prefill_chunks"]):
             qi = q[q0:q0 + qlen].transpose(0, 1)[None]

@@ -199,20 +199,21 @@ class CpuAttention(TorchAttention):
         meta.cache = cache
 
     def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [Bd, H, D] -> [Bd, H, D]; one query per sequence."""
+               meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [Bd, H, D] -> [Bd, H, D] (into ``out`` if given, contiguous); one query per sequence."""
         return paged_decode_attention(q, key_cache, value_cache, meta.decode_block_tables,
-                                      meta.decode_seq_lens, scale)
+                                      meta.decode_seq_lens, scale, out=out)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """q [Tp, H, D], k/v [Tp, kv_heads, D] (already in the cache) -> [Tp, H, D]; one C++ call for
         all of the step's chunks."""
         c = meta.cache
         if prefill_supported(q.dtype):
             return paged_prefill_attention(q, key_cache, value_cache, c["prefill_block_tables"],
-                                           c["prefill_query_start"], c["prefill_seq_lens"], scale)
+                                           c["prefill_query_start"], c["prefill_seq_lens"], scale, out=out)
         if "prefill_chunks" not in c:  # torch fallback (e.g. fp16): its own metadata, once per step
             super().prepare(meta, c["block_size"])
             meta.cache.update(c)
-        return super().prefill(q, k, v, key_cache, value_cache, meta, scale)
+        return super().prefill(q, k, v, key_cache, value_cache, meta, scale, out=out)

@@ -142,16 +142,15 @@ class LlamaAttention(nn.Module):
             q, k, v = q[:tr], k[:tr], v[:tr]
         attn.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
-        if nd == tr:
-            out = attn.decode(q, key_cache, value_cache, meta, self.scale)
-        elif nd == 0:
-            out = attn.prefill(q, k, v, key_cache, value_cache, meta, self.scale)
-        else:
-            out = torch.cat([attn.decode(q[:nd], key_cache, value_cache, meta, self.scale),
-                             attn.prefill(q[nd:], k[nd:], v[nd:], key_cache, value_cache, meta, self.scale)])
+        # Decode rows, then prefill rows, then padding rows, written in place (no cat / pad copies).
+        out = q.new_empty(t, self.num_heads, self.head_dim)
+        if nd:
+            attn.decode(q[:nd], key_cache, value_cache, meta, self.scale, out=out[:nd])
+        if nd < tr:
+            attn.prefill(q[nd:], k[nd:], v[nd:], key_cache, value_cache, meta, self.scale, out=out[nd:tr])
         if tr != t:
-            out = F.pad(out, (0, 0, 0, 0, 0, t - tr))
-        return self.o_proj(out.reshape(t, self.q_size))
+            out[tr:].zero_()
+        return self.o_proj(out.view(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
