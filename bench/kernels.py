@@ -1,6 +1,6 @@
 """Attention kernel micro-benchmarks.
 
-    python bench/kernels.py [--device cpu] [--reps 10] [--threads N] [--dtype bf16 fp32] [--only prefill]
+    python bench/kernels.py [--device cpu] [--reps 10] [--threads N] [--dtype bf16 fp32] [--only prefill|layer_ops]
                             [--cpu-baseline OLD.cpp]
     python bench/kernels.py --device cuda [--dtype bf16] [--peak-gbs 3350 --peak-tflops 989]
 
@@ -18,6 +18,10 @@ CPU prefill: the C++ prefill kernel (one call for all of a step's chunks) vs Tor
 (one SDPA call per sequence; a chunk with cached context gathers it through the block table and
 uses an additive mask), on the same caches with the chunks' K/V written in as the layer does.
 GFLOP/s counts the causal work only (4 * H * D per visible query-key pair).
+
+CPU layer ops: the fused C++ ops (CpuLayerOps: residual + RMSNorm, silu * up, greedy argmax) vs the
+torch reference ops (TorchLayerOps) at a 2048-token prefill step's and a 256-sequence decode step's
+shapes of SmolLM2, calls interleaved on the same inputs.
 
 CUDA: the Triton kernels (kernels/triton_attention.py), timed with triton.testing.do_bench (which
 flushes L2 between calls): paged decode vs TorchAttention.decode, prefill vs dense causal SDPA on
@@ -140,6 +144,39 @@ def bench_cpu(args):
         bench_cpu_decode(args, cpu, baseline)
     if args.only in (None, "prefill"):
         bench_cpu_prefill(args, cpu)
+    if args.only in (None, "layer_ops"):
+        bench_cpu_layer_ops(args)
+
+
+def bench_cpu_layer_ops(args):
+    from pagoda_kernels.layer_ops import CpuLayerOps, TorchLayerOps
+
+    cpu, ref = CpuLayerOps(), TorchLayerOps()
+    print("== layer ops (C++ vs torch reference, same inputs)")
+    header = f"{'op':10} {'dtype':5} {'shape':>12} | {'torch ms':>9} | {'C++ ms':>8} | {'speedup':>7}"
+    print(header)
+    print("-" * len(header))
+    g = torch.Generator().manual_seed(0)
+    for dname in args.dtype:
+        dtype = DTYPES[dname]
+        if dtype not in (torch.float32, torch.bfloat16):
+            continue
+        for rows in (2048, 256):
+            x = torch.randn(rows, 576, generator=g).to(dtype)
+            res = torch.randn(rows, 576, generator=g).to(dtype)
+            w = torch.randn(576, generator=g).to(dtype)
+            gate_up = torch.randn(rows, 3072, generator=g).to(dtype)
+            cases = [("rms_norm", (rows, 576), lambda o: o.rms_norm(x, res.clone(), w, 1e-5)),
+                     ("silu_mul", (rows, 1536), lambda o: o.silu_and_mul(gate_up))]
+            if rows == 256:
+                logits = torch.randn(rows, 49152, generator=g).to(dtype)
+                cases.append(("argmax", (rows, 49152), lambda o: o.argmax(logits)))
+            for name, shape, fn in cases:
+                t_ref, t_cpu = time_interleaved([lambda k_, v_: fn(ref), lambda k_, v_: fn(cpu)], [(None, None)],
+                                                args.reps, args.stat)
+                print(f"{name:10} {dname:5} {f'{shape[0]}x{shape[1]}':>12} | {t_ref * 1e3:9.3f} | {t_cpu * 1e3:8.3f} | "
+                      f"{t_ref / t_cpu:6.2f}x", flush=True)
+    print()
 
 
 def bench_cpu_decode(args, cpu, baseline):
@@ -499,7 +536,7 @@ def main(argv=None):
                    help="default: bf16 fp32 on cpu, bf16 on cuda")
     p.add_argument("--peak-gbs", type=float, default=3350.0, help="cuda: HBM bandwidth for the floors (H100 SXM)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="cuda: dense bf16/fp16 TFLOP/s (H100 SXM)")
-    p.add_argument("--only", default=None, choices=["decode", "prefill"], help="cpu: run one table")
+    p.add_argument("--only", default=None, choices=["decode", "prefill", "layer_ops"], help="cpu: run one table")
     p.add_argument("--cpu-baseline", default=None, metavar="OLD.cpp",
                    help="cpu: also time the decode kernel of an older paged_attention_cpu.cpp, built separately")
     p.add_argument("--prefill-baseline", default=None, metavar="MODULE",

@@ -31,6 +31,10 @@ TOP_PAD = 64 << 20
 _applied = False
 
 
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def tune_for_engine() -> bool:
     """Apply the settings once per process (glibc only; elsewhere, or with
     ``PAGODA_KEEP_MALLOC=1``, nothing is changed). Returns whether they are in effect."""
@@ -40,8 +44,7 @@ def tune_for_engine() -> bool:
     if os.environ.get("PAGODA_KEEP_MALLOC") == "1":
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):
         return False  # not glibc (musl, macOS): its allocator is left alone
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
@@ -67,8 +70,7 @@ def advise_huge_pages(tensor) -> bool:
         with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
             if "[never]" in f.read():
                 return False
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
+        madvise = _libc().madvise
     except (OSError, AttributeError):
         return False
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine_service.sampling_params import SamplingParams
+from pagoda_kernels.layer_ops import TorchLayerOps
 
 if TYPE_CHECKING:
     from engine_service.structured_output import StructuredBatch
@@ -64,7 +65,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
         # The all-greedy batch's argmax (first maximum per row): a layer-ops kernel where there is one.
-        self.argmax = argmax or (lambda logits: logits.max(-1).indices)
+        self.argmax = argmax or TorchLayerOps().argmax
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits[:, : self.vocab_size]

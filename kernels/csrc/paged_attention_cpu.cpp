@@ -1132,6 +1132,27 @@ PAGODA_INLINE void panel_pv_all(float* O, int D, const float* alpha, const float
   }
 }
 
+// Online softmax of a panel, shared by the vector and AMX panels. alpha[r] = 2^(m_old - m_new) for
+// the rows in `rows` (m_old = -inf on the first tile: 0; a row that has seen no key yet, m_new =
+// -inf, keeps alpha = 1 on its zero accumulators).
+PAGODA_INLINE void rescale_factors(const float* m_old, const float* m_new, __mmask16 rows, float* alpha) {
+  const __m512 mo = _mm512_maskz_loadu_ps(rows, m_old);
+  const __m512 mn = _mm512_maskz_loadu_ps(rows, m_new);
+  const __mmask16 seen = _mm512_cmp_ps_mask(mn, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
+  _mm512_store_ps(alpha, _mm512_mask_blend_ps(seen, _mm512_set1_ps(1.f),
+                                              _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mo, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ),
+                                                                  exp2_ps(_mm512_sub_ps(mo, mn)))));
+}
+
+// One row's probabilities over a 64-key tile: e[v] = 2^(s[v] - m_new) in the lanes of mk[v], 0
+// elsewhere; lsum = lsum * alpha + their sum.
+PAGODA_INLINE void row_probs(const __m512* s, const __mmask16* mk, float m_new, float alpha, V16& lsum, __m512* e) {
+  const __m512 negm = _mm512_set1_ps(m_new == kNegInf ? 0.f : -m_new);
+  for (int v = 0; v < 4; ++v) e[v] = _mm512_maskz_mov_ps(mk[v], exp2_ps(_mm512_add_ps(s[v], negm)));
+  lsum.v = _mm512_fmadd_ps(lsum.v, _mm512_set1_ps(alpha),
+                           _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])));
+}
+
 // ---- AMX (Sapphire Rapids and later): the bf16 panel on tile registers ------------------------
 // The packed tile layouts above are already what tdpbf16ps wants: Kp [D/2][64] dwords is the B
 // operand of S = Q K^T (rows: head_dim pairs, columns: keys), Vp [32][D] dwords the B operand of
@@ -1218,23 +1239,13 @@ void prefill_panel_amx(PrefillScratch& S, const uint16_t* qrows, int row0, int D
     mnew[r] = std::max(S.m[row0 + r], _mm512_reduce_max_ps(tm));
   }
   alignas(64) float alpha[kAmxRows];
-  {
-    const __m512 mo = _mm512_loadu_ps(S.m.data() + row0);
-    const __m512 mn = _mm512_load_ps(mnew);
-    const __mmask16 seen = _mm512_cmp_ps_mask(mn, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
-    _mm512_store_ps(alpha, _mm512_mask_blend_ps(seen, _mm512_set1_ps(1.f),
-                                                _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mo, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ),
-                                                                    exp2_ps(_mm512_sub_ps(mo, mn)))));
-    _mm512_storeu_ps(S.m.data() + row0, mn);
-  }
+  rescale_factors(S.m.data() + row0, mnew, 0xFFFF, alpha);
+  std::memcpy(S.m.data() + row0, mnew, sizeof(mnew));
   uint16_t* p16 = S.p16;
   for (int r = 0; r < kAmxRows; ++r) {
-    const __m512 negm = _mm512_set1_ps(mnew[r] == kNegInf ? 0.f : -mnew[r]);
-    __m512 e[4];
-    for (int v = 0; v < 4; ++v)
-      e[v] = _mm512_maskz_mov_ps(mk[r][v], exp2_ps(_mm512_add_ps(_mm512_load_ps(sc + r * kKeyTile + 16 * v), negm)));
-    S.lsum[row0 + r].v = _mm512_fmadd_ps(S.lsum[row0 + r].v, _mm512_set1_ps(alpha[r]),
-                                         _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])));
+    __m512 x[4], e[4];
+    for (int v = 0; v < 4; ++v) x[v] = _mm512_load_ps(sc + r * kKeyTile + 16 * v);
+    row_probs(x, mk[r], mnew[r], alpha[r], S.lsum[row0 + r], e);
     _mm512_store_si512(p16 + r * kKeyTile, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
     _mm512_store_si512(p16 + r * kKeyTile + 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
   }
@@ -1308,26 +1319,12 @@ void prefill_panel(PrefillScratch& S, const void* qrows, int row0, int D, int nk
     const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]), _mm512_max_ps(s[r][2], s[r][3])));
     S.mnew[r] = std::max(S.m[row0 + r], tmax);
   }
-  // alpha = 2^(m_old - m_new) for the panel's rows at once (m_old = -inf on the first tile: 0).
   alignas(64) float alpha[16];
-  {
-    const __mmask16 rm = lane_mask(kPanel);
-    const __m512 mo = _mm512_maskz_loadu_ps(rm, S.m.data() + row0);
-    const __m512 mn = _mm512_maskz_loadu_ps(rm, S.mnew.data());
-    // a row that has seen no key yet (m_new = -inf) keeps alpha = 1 on its zero accumulators
-    const __mmask16 seen = _mm512_cmp_ps_mask(mn, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
-    _mm512_store_ps(alpha, _mm512_mask_blend_ps(seen, _mm512_set1_ps(1.f),
-                                                _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mo, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ),
-                                                                    exp2_ps(_mm512_sub_ps(mo, mn)))));
-  }
+  rescale_factors(S.m.data() + row0, S.mnew.data(), lane_mask(kPanel), alpha);
   for (int r = 0; r < kPanel; ++r) {
-    const float mn = S.mnew[r];
-    S.m[row0 + r] = mn;
-    const __m512 negm = _mm512_set1_ps(mn == kNegInf ? 0.f : -mn);
+    S.m[row0 + r] = S.mnew[r];
     __m512 e[4];
-    for (int v = 0; v < 4; ++v) e[v] = _mm512_maskz_mov_ps(mk[r][v], exp2_ps(_mm512_add_ps(s[r][v], negm)));
-    S.lsum[row0 + r].v = _mm512_fmadd_ps(S.lsum[row0 + r].v, _mm512_set1_ps(alpha[r]),
-                                         _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])));
+    row_probs(s[r], mk[r], S.mnew[r], alpha[r], S.lsum[row0 + r], e);
 #if PAGODA_DPBF16
     if constexpr (std::is_same_v<T, bf16_t>) {  // P rounded to bf16 for the P @ V dot products
       uint16_t* p16 = reinterpret_cast<uint16_t*>(S.p) + r * kKeyTile;
