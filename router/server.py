@@ -197,20 +197,29 @@ class RouterServer:
             await asyncio.wait_for(self._no_streams.wait(), grace_s)
         except TimeoutError:
             logger.warning("router.drain_timeout", streams=self._num_streams)
+        # Every stage bounded: a stop that waits on a peer (a half-done TLS handshake, a Redis that
+        # does not answer) must not keep the router from stopping (seen: gRPC stop > 60 s, rarely).
         if self._server is not None:
-            await self._server.stop(grace=1.0)
+            await self._bounded(self._server.stop(grace=1.0), "grpc_server")
         for task in self._background:
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        await self._retry_releases()
+        await self._bounded(asyncio.gather(*self._background, return_exceptions=True), "background")
+        await self._bounded(self._retry_releases(), "releases")
         for channel in self._channels.values():
-            await channel.close()
-        await self.redis.aclose()
+            await self._bounded(channel.close(), "engine_channel")
+        await self._bounded(self.redis.aclose(), "redis")
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
         logger.info("router.stopped")
         self._stopped.set()
+
+    @staticmethod
+    async def _bounded(awaitable, stage: str, timeout_s: float = 5.0) -> None:
+        try:
+            await asyncio.wait_for(awaitable, timeout_s)
+        except TimeoutError:
+            logger.warning("router.shutdown_stage_timeout", stage=stage, timeout_s=timeout_s)
 
     async def serve(self) -> None:
         """Start, drain and stop on SIGTERM / SIGINT, return when stopped."""
