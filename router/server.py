@@ -216,10 +216,18 @@ class RouterServer:
 
     @staticmethod
     async def _bounded(awaitable, stage: str, timeout_s: float = 5.0) -> None:
-        try:
-            await asyncio.wait_for(awaitable, timeout_s)
-        except TimeoutError:
+        """Await one shutdown stage for at most ``timeout_s``; a stage that fails is logged, not raised.
+
+        Not ``asyncio.wait_for``: on its timeout it cancels the stage and then waits, unbounded, for
+        the cancellation to finish, so a stage that does not react to it would hold the stop anyway.
+        """
+        task = asyncio.ensure_future(awaitable)
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if not done:
+            task.cancel()  # not awaited, for the reason above
             logger.warning("router.shutdown_stage_timeout", stage=stage, timeout_s=timeout_s)
+        elif not task.cancelled() and task.exception() is not None:
+            logger.warning("router.shutdown_stage_failed", stage=stage, error=repr(task.exception()))
 
     async def serve(self) -> None:
         """Start, drain and stop on SIGTERM / SIGINT, return when stopped."""

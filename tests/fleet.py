@@ -3,6 +3,7 @@ their JSON logs, and an in-process router on its own event loop thread."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import os
 import random
@@ -220,12 +221,23 @@ class RouterThread:
     def call(self, coro, timeout: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def dump_stacks(self) -> None:
+        """Every thread's stack and every task of the router's loop, to stderr (a stop that hangs)."""
+        faulthandler.dump_traceback(all_threads=True)
+        for task in list(asyncio.all_tasks(self.loop)):
+            print(f"--- router task {task.get_name()}: {task.get_coro()!r}", file=sys.stderr)
+            task.print_stack(file=sys.stderr)
+
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.server.port}"
 
     def close(self) -> None:
-        self.call(self.server.shutdown(2.0))
+        try:
+            self.call(self.server.shutdown(2.0))
+        except TimeoutError:
+            self.dump_stacks()
+            raise
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
         self.loop.close()

@@ -171,3 +171,32 @@ def test_colocated_engines_do_not_spin(monkeypatch):
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["PAGODA_MODEL"] == "bundled"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert colocated_engine_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_shutdown_stages_are_bounded_even_when_a_stage_ignores_cancellation():
+    import asyncio
+
+    from router.server import RouterServer
+
+    async def stubborn(done: list):
+        # Swallows its first cancellation and goes on, as a stop waiting on a peer might.
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(30)
+        done.append(True)
+
+    async def failing():
+        raise RuntimeError("stage broke")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await RouterServer._bounded(stubborn([]), "stubborn", timeout_s=0.2)
+        took = loop.time() - start
+        await RouterServer._bounded(failing(), "failing")  # logged, not raised: the next stages still run
+        for task in asyncio.all_tasks() - {asyncio.current_task()}:
+            task.cancel()
+        return took
+
+    assert asyncio.run(main()) < 2.0
