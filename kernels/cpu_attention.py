@@ -9,7 +9,8 @@ online softmax, parallel over (sequence, kv head[, context split]) with OpenMP.
 ``TorchAttention.prefill`` runs one SDPA call per prefilling sequence from Python (gathering a later
 chunk's context and building a mask first); the prefill kernel takes all of a step's chunks in one
 call, parallel over (sequence, kv head, query tile), with the GQA group's q heads sharing every K/V
-tile (AVX-512: fp32, and bf16 with AVX512_BF16; other dtypes and CPUs use the torch path).
+tile (AVX-512: fp32, and bf16 with AVX512_BF16; AVX2 + FMA: fp32 and bf16, computed in fp32;
+other dtypes and CPUs use the torch path).
 
 The extension is compiled at first use with ``torch.utils.cpp_extension.load`` (needs ``ninja``
 and a C++ compiler; a few seconds) into ``$PAGODA_CACHE_DIR/torch_extensions`` (default
@@ -128,8 +129,8 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
 
 
 def prefill_supported(dtype: torch.dtype) -> bool:
-    """Whether this host's build has the C++ prefill kernel for ``dtype`` (fp32 with AVX-512, bf16
-    with AVX512_BF16)."""
+    """Whether this host's build has the C++ prefill kernel for ``dtype`` (fp32 with AVX-512 or
+    AVX2, bf16 with AVX512_BF16 or AVX2)."""
     ok = _prefill_dtypes.get(dtype)
     if ok is None:
         load_extension()

@@ -26,13 +26,15 @@
 // pairs of head_dim x keys) and V (pairs of keys interleaved), then runs register-blocked panels of
 // 6 query rows: scores with vdpbf16ps (bf16) or FMAs (fp32), online softmax, P @ V. On CPUs with
 // AMX-BF16 (Sapphire Rapids and later), bf16 panels are 16 rows and both products run on tiles
-// (prefill_panel_amx): 2.9-3.4x the vector panels on SmolLM2 shapes.
+// (prefill_panel_amx): 2.9-3.4x the vector panels on SmolLM2 shapes. On AVX2-only CPUs the panels
+// run in fp32 on 8-lane vectors (bf16 widened as it is packed), scores parked in L1 between the
+// products and the softmax.
 //
 // Built at first use by pagoda_kernels/cpu_attention.py with -O3 -march=native -fopenmp. Only
 // light torch headers are included (no pybind11, no ATen operators) so the build takes seconds.
-// The AVX-512 path is used when the compiler targets it; otherwise decode runs a portable 16-lane
-// fallback that gcc auto-vectorizes for whatever the target offers, and prefill is unavailable
-// (the Python side then uses torch).
+// The AVX-512 path is used when the compiler targets it, else the AVX2 + FMA one; without either,
+// decode runs a portable 16-lane fallback that gcc auto-vectorizes for whatever the target offers,
+// and prefill is unavailable (the Python side then uses torch).
 
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -998,9 +1000,9 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
 }
 
 // ==========================================================================================
-// Prefill / chunked prefill (AVX-512 only; the Python side falls back to torch elsewhere).
+// Prefill / chunked prefill (AVX-512 and AVX2 panels; the Python side falls back to torch elsewhere).
 // ==========================================================================================
-#if PAGODA_AVX512
+#if PAGODA_AVX512 || PAGODA_AVX2
 
 constexpr int kKeyTile = 64;  // keys per K/V tile: 4 vectors of scores per query row
 constexpr int kPanel = 6;     // query rows per register panel (6 x 4 score or output vectors)
@@ -1039,6 +1041,11 @@ struct PrefillScratch {
         vp(static_cast<size_t>(D) * kKeyTile), qbuf(static_cast<size_t>(max_rows) * D), m(max_rows),
         mnew(max_rows + 16), lsum(max_rows) {}
 };
+
+#if PAGODA_AVX512
+// Query rows as the panels read them: as stored (fp32, or bf16 bits for vdpbf16ps / AMX).
+template <typename T>
+using PanelQ = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
 
 // Scores of a panel of R rows against the 64 keys of the packed tile: s[r][v] (16 keys each).
 template <typename T, int R>
@@ -1291,16 +1298,6 @@ void prefill_panel_amx(PrefillScratch& S, const uint16_t* qrows, int row0, int D
 }
 #endif  // PAGODA_AMX
 
-// Whether this call's bf16 panels run on AMX.
-bool use_amx(int D) {
-#if PAGODA_AMX
-  return D % 32 == 0 && g_amx_enabled.load(std::memory_order_relaxed) && amx_permitted();
-#else
-  (void)D;
-  return false;
-#endif
-}
-
 // One panel of kPanel rows (row0.. of the item) against one K/V tile: scores, online softmax (rows
 // whose token sees only part of the tile get lanes past lim[r] masked), P @ V.
 template <typename T>
@@ -1362,25 +1359,6 @@ PAGODA_INLINE void transpose16x16(__m512 r[16]) {
   for (int j = 0; j < 16; ++j) r[j] = t[j];
 }
 
-// Row pointers of keys [k0, k0 + nk) of one sequence (block table row bt) and kv head kh.
-template <typename T>
-void key_rows(const PrefillParams& P, const T* kc, const T* vc, const int32_t* bt, int kh, int k0, int nk,
-              const T** krow, const T** vrow) {
-  int blk = k0 / P.bs, off = k0 % P.bs;
-  const T* kb = kc + bt[blk] * P.ks0 + kh * P.ks2;
-  const T* vb = vc + bt[blk] * P.vs0 + kh * P.vs2;
-  for (int j = 0; j < nk; ++j, ++off) {
-    if (off == P.bs) {
-      off = 0;
-      ++blk;
-      kb = kc + bt[blk] * P.ks0 + kh * P.ks2;
-      vb = vc + bt[blk] * P.vs0 + kh * P.vs2;
-    }
-    krow[j] = kb + off * P.ks1;
-    vrow[j] = vb + off * P.vs1;
-  }
-}
-
 // Pack the nk keys at krow / vrow into S.kp (and S.vp / S.vrow): K transposed by 16 x 16 dword
 // blocks (a dword: one fp32, or a pair of bf16 head_dim elements); keys past nk are zeros.
 template <typename T>
@@ -1432,6 +1410,193 @@ void pack_kv(const PrefillParams& P, const T* const* krow, const T* const* vrow,
   for (int j = 0; j < nk; ++j) S.vrow[j] = vrow[j];
 }
 
+#else  // PAGODA_AVX2
+// AVX2 + FMA (Zen 1-3, Intel before Skylake-SP): the same items, tiles and online softmax as the
+// AVX-512 panels, on 8-lane vectors and in fp32 throughout (bf16 Q, K and V are widened as they are
+// packed; there are no bf16 dot products on these CPUs). 16 ymm registers do not hold a 6 x 64
+// panel of scores, so the scores go to S.sc in blocks of 6 rows x 16 keys and the softmax reads
+// them back from L1.
+#define PAGODA_AMX 0
+
+template <typename T>
+using PanelQ = float;
+
+PAGODA_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+PAGODA_INLINE __m256 load8(const bf16_t* p) { return bf16x8_to_ps(p); }
+
+// In: 8 rows of 8 dwords; out: r[j] lane i = row i's element j.
+PAGODA_INLINE void transpose8x8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {  // per 128-bit half: (r_i, r_i+1) elements 0 1 | 4 5, and 2 3 | 6 7
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // u[i + e]: element e (low half) and e + 4 (high half) of rows i .. i + 3
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; ++e) {
+    r[e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x20);
+    r[4 + e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x31);
+  }
+}
+
+// K transposed into S.kp [D][64] floats by 8 x 8 blocks (keys past nk: zeros); V rows read in
+// place (fp32) or widened into S.vp [nk][D] (bf16).
+template <typename T>
+void pack_kv(const PrefillParams& P, const T* const* krow, const T* const* vrow, int nk, PrefillScratch& S) {
+  const int D = P.D;
+  float* kp = S.kp.data();
+  for (int kg = 0; kg < kKeyTile; kg += 8) {
+    for (int d0 = 0; d0 < D; d0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = kg + i < nk ? load8(krow[kg + i] + d0) : _mm256_setzero_ps();
+      transpose8x8(r);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(kp + (d0 + j) * kKeyTile + kg, r[j]);
+    }
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    for (int j = 0; j < nk; ++j) S.vrow[j] = vrow[j];
+  } else {
+    float* vp = S.vp.data();
+    for (int j = 0; j < nk; ++j) {
+      float* dst = vp + static_cast<size_t>(j) * D;
+      for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, load8(vrow[j] + d));
+      S.vrow[j] = dst;
+    }
+  }
+}
+
+// The panel's products in blocks of kPanel rows x 16 columns: 12 accumulators, two vectors of K or
+// V and one broadcast fit the 16 registers (3 x 32 blocks need 17: gcc spilled an accumulator to
+// the stack in the P @ V loop and ran at half speed).
+// Scores of the panel's rows against keys k0 .. k0 + 15 of the packed tile, into sc.
+PAGODA_INLINE void panel_scores_16(const float* Q, int D, const float* kp, int k0, float* sc) {
+  __m256 acc[kPanel][2];
+  for (int r = 0; r < kPanel; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const float* kr = kp + d * kKeyTile + k0;
+    const __m256 k0v = _mm256_loadu_ps(kr), k1v = _mm256_loadu_ps(kr + 8);
+    for (int r = 0; r < kPanel; ++r) {
+      const __m256 w = _mm256_broadcast_ss(Q + r * D + d);
+      acc[r][0] = _mm256_fmadd_ps(k0v, w, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(k1v, w, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < kPanel; ++r) {
+    _mm256_storeu_ps(sc + r * kKeyTile + k0, acc[r][0]);
+    _mm256_storeu_ps(sc + r * kKeyTile + k0 + 8, acc[r][1]);
+  }
+}
+
+// O[r][d0 .. d0 + 16) = O * alpha[r] + P[r] @ V for the panel's rows.
+PAGODA_INLINE void panel_pv_16(float* O, int D, int d0, const float* alpha, const float* P, int nk,
+                               const void* const* vrow) {
+  __m256 acc[kPanel][2];
+  for (int r = 0; r < kPanel; ++r) {
+    const __m256 a = _mm256_set1_ps(alpha[r]);
+    acc[r][0] = _mm256_mul_ps(_mm256_loadu_ps(O + r * D + d0), a);
+    acc[r][1] = _mm256_mul_ps(_mm256_loadu_ps(O + r * D + d0 + 8), a);
+  }
+  for (int k = 0; k < nk; ++k) {
+    const float* vr = static_cast<const float*>(vrow[k]) + d0;
+    const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+    for (int r = 0; r < kPanel; ++r) {
+      const __m256 w = _mm256_broadcast_ss(P + r * kKeyTile + k);
+      acc[r][0] = _mm256_fmadd_ps(v0, w, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(v1, w, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < kPanel; ++r) {
+    _mm256_storeu_ps(O + r * D + d0, acc[r][0]);
+    _mm256_storeu_ps(O + r * D + d0 + 8, acc[r][1]);
+  }
+}
+
+// One panel of kPanel rows (row0.. of the item) against one K/V tile: scores, online softmax (rows
+// whose token sees only part of the tile get keys from lim[r] on masked), P @ V.
+template <typename T>
+void prefill_panel(PrefillScratch& S, const void* qrows, int row0, int D, int nk, const int* lim, float qscale) {
+  const float* Q = static_cast<const float*>(qrows);
+  float* sc = S.sc;
+  for (int k0 = 0; k0 < kKeyTile; k0 += 16) panel_scores_16(Q, D, S.kp.data(), k0, sc);
+  const __m256 vscale = _mm256_set1_ps(qscale), ninf = _mm256_set1_ps(kNegInf);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  alignas(32) float alpha[kPanel];
+  int vis = 0;
+  for (int r = 0; r < kPanel; ++r) {
+    vis = std::max(vis, lim[r]);
+    const __m256i lim_v = _mm256_set1_epi32(lim[r]);
+    __m256 s[8];
+    __m256 mx = ninf;
+    for (int v = 0; v < 8; ++v) {
+      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim_v, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * v))));
+      s[v] = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(sc + r * kKeyTile + 8 * v), vscale), keep);
+      mx = _mm256_max_ps(mx, s[v]);
+    }
+    const float m_old = S.m[row0 + r];
+    const float m_new = std::max(m_old, hmax8(mx));
+    // A row that has seen no key yet keeps alpha = 1 on its zero accumulators.
+    alpha[r] = m_new == kNegInf ? 1.f : (m_old == kNegInf ? 0.f : std::exp2(m_old - m_new));
+    S.m[row0 + r] = m_new;
+    const __m256 negm = _mm256_set1_ps(m_new == kNegInf ? 0.f : -m_new);
+    __m256 sum = _mm256_setzero_ps();
+    for (int v = 0; v < 8; ++v) {
+      const __m256 e = exp2_ps(_mm256_add_ps(s[v], negm));  // masked keys: 2^-inf = 0
+      _mm256_store_ps(S.p + r * kKeyTile + 8 * v, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    V16& lsum = S.lsum[row0 + r];  // its high half stays zero
+    lsum.lo = _mm256_fmadd_ps(lsum.lo, _mm256_set1_ps(alpha[r]), sum);
+  }
+  const int nkv = std::min(nk, vis);  // keys past every row's limit have P = 0
+  float* O = S.O.data() + static_cast<size_t>(row0) * D;
+  for (int d0 = 0; d0 < D; d0 += 16) panel_pv_16(O, D, d0, alpha, S.p, nkv, S.vrow);
+}
+
+#endif  // PAGODA_AVX512 panels / PAGODA_AVX2 panels
+
+// Row pointers of keys [k0, k0 + nk) of one sequence (block table row bt) and kv head kh.
+template <typename T>
+void key_rows(const PrefillParams& P, const T* kc, const T* vc, const int32_t* bt, int kh, int k0, int nk,
+              const T** krow, const T** vrow) {
+  int blk = k0 / P.bs, off = k0 % P.bs;
+  const T* kb = kc + bt[blk] * P.ks0 + kh * P.ks2;
+  const T* vb = vc + bt[blk] * P.vs0 + kh * P.vs2;
+  for (int j = 0; j < nk; ++j, ++off) {
+    if (off == P.bs) {
+      off = 0;
+      ++blk;
+      kb = kc + bt[blk] * P.ks0 + kh * P.ks2;
+      vb = vc + bt[blk] * P.vs0 + kh * P.vs2;
+    }
+    krow[j] = kb + off * P.ks1;
+    vrow[j] = vb + off * P.vs1;
+  }
+}
+
+// Whether this call's bf16 panels run on AMX.
+bool use_amx(int D) {
+#if PAGODA_AMX
+  return D % 32 == 0 && g_amx_enabled.load(std::memory_order_relaxed) && amx_permitted();
+#else
+  (void)D;
+  return false;
+#endif
+}
+
+// One query row into the panels' layout: copied as it is, or widened to fp32 (AVX2 bf16).
+template <typename T, typename QT>
+PAGODA_INLINE void copy_q_row(const T* src, QT* dst, int D) {
+  if constexpr (sizeof(T) == sizeof(QT)) {
+    std::memcpy(dst, src, sizeof(QT) * D);
+  } else {
+    for (int d = 0; d < D; ++d) dst[d] = to_float(src[d]);
+  }
+}
+
 template <typename T>
 void prefill_item(const PrefillParams& P, const T* q, const T* kc, const T* vc, T* out, const PrefillItem& it,
                   PrefillScratch& S, bool amx) {
@@ -1440,7 +1605,7 @@ void prefill_item(const PrefillParams& P, const T* q, const T* kc, const T* vc, 
   const int panel = amx ? kAmxRows : kPanel;
   const int rows_p = (rows + panel - 1) / panel * panel;
   // Query rows (token-major, the g heads of the kv head adjacent), padded with zero rows.
-  using QT = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
+  using QT = PanelQ<T>;
   QT* Q = reinterpret_cast<QT*>(S.qbuf.data());
   for (int r = 0; r < rows_p; ++r) {
     QT* dst = Q + static_cast<size_t>(r) * D;
@@ -1450,7 +1615,7 @@ void prefill_item(const PrefillParams& P, const T* q, const T* kc, const T* vc, 
     }
     const int tok = it.q0 + it.tq0 + r / g;
     const T* src = q + tok * P.qs0 + (it.kh * g + r % g) * P.qs1;
-    std::memcpy(dst, src, sizeof(QT) * D);
+    copy_q_row(src, dst, D);
   }
   std::fill(S.O.begin(), S.O.begin() + static_cast<size_t>(rows_p) * D, 0.f);
   std::fill(S.m.begin(), S.m.begin() + rows_p, kNegInf);
@@ -1503,7 +1668,7 @@ void prefill_item(const PrefillParams& P, const T* q, const T* kc, const T* vc, 
     }
   }
   for (int r = 0; r < rows; ++r) {
-    const float l = _mm512_reduce_add_ps(S.lsum[r].v);
+    const float l = vreduce_add(S.lsum[r]);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int tok = it.q0 + it.tq0 + r / g;
     T* dst = out + tok * P.os0 + (it.kh * g + r % g) * P.os1;
@@ -1547,7 +1712,7 @@ void prefill_impl(const PrefillParams& P, const T* q, const T* kc, const T* vc, 
   }
 }
 
-#endif  // PAGODA_AVX512
+#endif  // PAGODA_AVX512 || PAGODA_AVX2
 
 bool prefill_supported(at::ScalarType dtype) {
 #if PAGODA_AVX512
@@ -1555,6 +1720,8 @@ bool prefill_supported(at::ScalarType dtype) {
 #if PAGODA_DPBF16
   if (dtype == at::kBFloat16) return true;
 #endif
+#elif PAGODA_AVX2
+  if (dtype == at::kFloat || dtype == at::kBFloat16) return true;
 #endif
   (void)dtype;
   return false;
@@ -1606,7 +1773,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
                   " out of range [0, ", num_blocks, ")");
   }
   if (T == 0) return;
-#if PAGODA_AVX512
+#if PAGODA_AVX512 || PAGODA_AVX2
   PrefillParams P;
   P.H = static_cast<int>(H);
   P.kvh = static_cast<int>(kvh);
