@@ -192,7 +192,7 @@ class RouterServer:
             return
         self.draining = True
         grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
-        await self.health.enter_graceful_shutdown()
+        await self._bounded(self.health.enter_graceful_shutdown(), "health")
         try:
             await asyncio.wait_for(self._no_streams.wait(), grace_s)
         except TimeoutError:

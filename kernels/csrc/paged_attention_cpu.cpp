@@ -1471,20 +1471,26 @@ void pack_kv(const PrefillParams& P, const T* const* krow, const T* const* vrow,
 
 // The panel's products in blocks of kPanel rows x 16 columns: 12 accumulators, two vectors of K or
 // V and one broadcast fit the 16 registers (3 x 32 blocks need 17: gcc spilled an accumulator to
-// the stack in the P @ V loop and ran at half speed).
+// the stack in the P @ V loop and ran at half speed). acc[r] += a[r * a_stride + i] * b(i)[0 .. 16)
+// over i < n: b(i) is row d of the packed K tile for the scores, the V row of key i for P @ V.
+template <typename BRow>
+PAGODA_INLINE void panel_update_16(__m256 (&acc)[kPanel][2], const float* a, int a_stride, int n, BRow b) {
+  for (int i = 0; i < n; ++i) {
+    const float* bi = b(i);
+    const __m256 b0 = _mm256_loadu_ps(bi), b1 = _mm256_loadu_ps(bi + 8);
+    for (int r = 0; r < kPanel; ++r) {
+      const __m256 w = _mm256_broadcast_ss(a + r * a_stride + i);
+      acc[r][0] = _mm256_fmadd_ps(b0, w, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(b1, w, acc[r][1]);
+    }
+  }
+}
+
 // Scores of the panel's rows against keys k0 .. k0 + 15 of the packed tile, into sc.
 PAGODA_INLINE void panel_scores_16(const float* Q, int D, const float* kp, int k0, float* sc) {
   __m256 acc[kPanel][2];
   for (int r = 0; r < kPanel; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    const float* kr = kp + d * kKeyTile + k0;
-    const __m256 k0v = _mm256_loadu_ps(kr), k1v = _mm256_loadu_ps(kr + 8);
-    for (int r = 0; r < kPanel; ++r) {
-      const __m256 w = _mm256_broadcast_ss(Q + r * D + d);
-      acc[r][0] = _mm256_fmadd_ps(k0v, w, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(k1v, w, acc[r][1]);
-    }
-  }
+  panel_update_16(acc, Q, D, D, [&](int d) { return kp + d * kKeyTile + k0; });
   for (int r = 0; r < kPanel; ++r) {
     _mm256_storeu_ps(sc + r * kKeyTile + k0, acc[r][0]);
     _mm256_storeu_ps(sc + r * kKeyTile + k0 + 8, acc[r][1]);
@@ -1500,15 +1506,7 @@ PAGODA_INLINE void panel_pv_16(float* O, int D, int d0, const float* alpha, cons
     acc[r][0] = _mm256_mul_ps(_mm256_loadu_ps(O + r * D + d0), a);
     acc[r][1] = _mm256_mul_ps(_mm256_loadu_ps(O + r * D + d0 + 8), a);
   }
-  for (int k = 0; k < nk; ++k) {
-    const float* vr = static_cast<const float*>(vrow[k]) + d0;
-    const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
-    for (int r = 0; r < kPanel; ++r) {
-      const __m256 w = _mm256_broadcast_ss(P + r * kKeyTile + k);
-      acc[r][0] = _mm256_fmadd_ps(v0, w, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(v1, w, acc[r][1]);
-    }
-  }
+  panel_update_16(acc, P, kKeyTile, nk, [&](int k) { return static_cast<const float*>(vrow[k]) + d0; });
   for (int r = 0; r < kPanel; ++r) {
     _mm256_storeu_ps(O + r * D + d0, acc[r][0]);
     _mm256_storeu_ps(O + r * D + d0 + 8, acc[r][1]);
