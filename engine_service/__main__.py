@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import re
+import signal
 import time
 
 DEMO_PROMPTS = [
@@ -128,6 +130,8 @@ def serve(args: argparse.Namespace) -> None:
     from engine_service.server import EngineServer, configure_logging
 
     configure_logging(args.log_level)
+    # `kill -USR1 <pid>` writes every thread's stack to stderr: for an engine that is stuck, or slow to exit.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     config = EngineConfig(model=args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})
     credentials = None
     if args.tls_cert or args.tls_key:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import os
+import signal
 import sys
 
 
@@ -92,6 +94,8 @@ def serve(args: argparse.Namespace) -> None:
     from router.server import RouterServer
 
     configure_logging(args.log_level)
+    # `kill -USR1 <pid>` writes every thread's stack to stderr: for a router that is stuck, or slow to exit.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     options = {name: getattr(args, name) for name in SERVE_OPTIONS}
     if options["metrics_port"] is not None and options["metrics_port"] < 0:
         options["metrics_port"] = None

@@ -148,6 +148,9 @@ class Process:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                # Still there: its threads' stacks into its log first (engines register SIGUSR1 for this).
+                self.proc.send_signal(signal.SIGUSR1)
+                time.sleep(0.5)
                 self.kill()
         self.log.close()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -247,6 +248,17 @@ def test_tls_on_the_public_api_and_mutual_tls_to_the_engine(make_router, svc):
     with pytest.raises(grpc.RpcError):
         engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=5)
     channel.close()
+
+
+def test_engine_writes_its_stacks_on_sigusr1_and_keeps_serving(make_router, svc):
+    engine = svc["engine"]
+    engine.proc.send_signal(signal.SIGUSR1)
+    wait_for(lambda: "most recent call first" in engine.log_path.read_text(errors="replace"), 10,
+             "the engine's thread stacks in its log")
+    assert engine.alive()
+    rt = make_router()
+    with RouterClient(rt.target, max_retries=0) as client:
+        assert client.generate([5, 6], max_tokens=2).usage.completion_tokens == 2
 
 
 def test_oversized_request_is_refused_not_buffered(make_router):
