@@ -148,7 +148,7 @@ class Process:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                # Still there: its threads' stacks into its log first (engines register SIGUSR1 for this).
+                # Still there: its threads' stacks into its log first (engines and routers dump them on SIGUSR1).
                 self.proc.send_signal(signal.SIGUSR1)
                 time.sleep(0.5)
                 self.kill()

@@ -2,6 +2,8 @@
 the tokenizer against transformers, the bearer-token check, the SDK's retry rule, configuration."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -9,6 +11,7 @@ from pagoda.v1 import common_pb2, router_pb2
 from router.auth import BearerTokenInterceptor
 from router.client import _Retry, build_request
 from router.config import RouterConfig
+from router.server import RouterServer
 from router.tokenizer import PromptTokenizer
 from router.validation import Limits, ModelLimits, prefix_key, validate
 
@@ -174,17 +177,12 @@ def test_colocated_engines_do_not_spin(monkeypatch):
 
 
 def test_shutdown_stages_are_bounded_even_when_a_stage_ignores_cancellation():
-    import asyncio
-
-    from router.server import RouterServer
-
-    async def stubborn(done: list):
+    async def stubborn():
         # Swallows its first cancellation and goes on, as a stop waiting on a peer might.
         try:
             await asyncio.sleep(30)
         except asyncio.CancelledError:
             await asyncio.sleep(30)
-        done.append(True)
 
     async def failing():
         raise RuntimeError("stage broke")
@@ -192,7 +190,7 @@ def test_shutdown_stages_are_bounded_even_when_a_stage_ignores_cancellation():
     async def main():
         loop = asyncio.get_running_loop()
         start = loop.time()
-        await RouterServer._bounded(stubborn([]), "stubborn", timeout_s=0.2)
+        await RouterServer._bounded(stubborn(), "stubborn", timeout_s=0.2)
         took = loop.time() - start
         await RouterServer._bounded(failing(), "failing")  # logged, not raised: the next stages still run
         for task in asyncio.all_tasks() - {asyncio.current_task()}:
