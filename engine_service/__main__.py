@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import faulthandler
 import logging
 import os
 import re
-import signal
 import time
 
 DEMO_PROMPTS = [
@@ -130,8 +128,6 @@ def serve(args: argparse.Namespace) -> None:
     from engine_service.server import EngineServer, configure_logging
 
     configure_logging(args.log_level)
-    # `kill -USR1 <pid>` writes every thread's stack to stderr: for an engine that is stuck, or slow to exit.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     config = EngineConfig(model=args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})
     credentials = None
     if args.tls_cert or args.tls_key:
@@ -143,7 +139,17 @@ def serve(args: argparse.Namespace) -> None:
                           max_waiting_requests=args.max_waiting_requests, max_stream_buffer=args.max_stream_buffer,
                           stall_timeout_s=args.stall_timeout, shutdown_grace_s=args.shutdown_grace,
                           server_credentials=credentials)
-    asyncio.run(_serve_registered(server, args) if args.redis_url else server.serve())
+    asyncio.run(_serve(server, args))
+    # Past this line only the interpreter's own exit is left: a process that outlives it by much is
+    # stuck in a thread or an atexit hook (`kill -USR1` shows which).
+    logging.getLogger("pagoda.engine_service").info("server.exiting")
+
+
+async def _serve(server, args: argparse.Namespace) -> None:
+    from router.lifecycle import install_stack_dumps
+
+    install_stack_dumps()  # `kill -USR1 <pid>`: every thread's and every asyncio task's stack to stderr
+    await (_serve_registered(server, args) if args.redis_url else server.serve())
 
 
 async def _serve_registered(server, args: argparse.Namespace) -> None:

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import socket
 
+import structlog
+
 from engine_service.server import EngineServer
+from router.lifecycle import bounded
 from router.registry import EngineHeartbeat, EngineRecord, read_tokenizer_files
 from router.security import connect_redis
+
+logger = structlog.get_logger("pagoda.engine_service")
 
 
 def engine_record(server: EngineServer, engine_id: str, address: str) -> EngineRecord | None:
@@ -58,6 +63,7 @@ class EngineRegistration:
         self.heartbeat.start()
 
     async def stop(self) -> None:
+        """Deregister and close the Redis client, each step bounded (the engine's exit waits on this)."""
         if self.heartbeat is not None:
             await self.heartbeat.stop()
-        await self.redis.aclose()
+        await bounded(self.redis.aclose(), "redis", log=logger, prefix="registry")

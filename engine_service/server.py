@@ -29,6 +29,7 @@ from engine_service.model_loader import BUNDLED_GGUF_NAME, BUNDLED_MODEL
 from engine_service.outputs import RequestOutput
 from engine_service.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from router.lifecycle import bounded
 
 logger = structlog.get_logger("pagoda.engine_service")
 
@@ -321,7 +322,7 @@ class EngineServer:
         self._shutdown_started = True
         grace_s = self.shutdown_grace_s if grace_s is None else grace_s
         self.draining = True
-        await self.health.enter_graceful_shutdown()
+        await bounded(self.health.enter_graceful_shutdown(), "health", log=logger)
         logger.info("server.draining", streams=self._num_streams, grace_s=grace_s)
         try:
             await asyncio.wait_for(self._no_streams.wait(), grace_s)
@@ -330,8 +331,10 @@ class EngineServer:
         if self._watchdog is not None:
             self._watchdog.cancel()
         if self._server is not None:
-            await self._server.stop(grace=1.0)  # cancels what is left: their handlers abort their requests
-        await self.engine.stop()
+            # Cancels what is left (their handlers abort their requests); bounded, as in the router:
+            # a stop waiting on a half-done peer must not hold the process.
+            await bounded(self._server.stop(grace=1.0), "grpc_server", log=logger)
+        await self.engine.stop()  # not bounded: it joins the engine thread, which exits after its step
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()

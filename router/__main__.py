@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import faulthandler
 import os
-import signal
 import sys
 
 
@@ -94,8 +92,6 @@ def serve(args: argparse.Namespace) -> None:
     from router.server import RouterServer
 
     configure_logging(args.log_level)
-    # `kill -USR1 <pid>` writes every thread's stack to stderr: for a router that is stuck, or slow to exit.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     options = {name: getattr(args, name) for name in SERVE_OPTIONS}
     if options["metrics_port"] is not None and options["metrics_port"] < 0:
         options["metrics_port"] = None
@@ -107,7 +103,14 @@ def serve(args: argparse.Namespace) -> None:
         options["router_id"] = args.router_id
     config = RouterConfig(redis_password=password, auth_tokens=load_tokens(args.auth_token_file,
                                                                           "PAGODA_ROUTER_AUTH_TOKENS"), **options)
-    asyncio.run(RouterServer(config).serve())
+    asyncio.run(_serve(RouterServer(config)))
+
+
+async def _serve(server) -> None:
+    from router.lifecycle import install_stack_dumps
+
+    install_stack_dumps()  # `kill -USR1 <pid>`: every thread's and every asyncio task's stack to stderr
+    await server.serve()
 
 
 def generate(args: argparse.Namespace) -> None:

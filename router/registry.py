@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, fields
 import redis.asyncio as aioredis
 import structlog
 
+from router.lifecycle import bounded
+
 logger = structlog.get_logger("pagoda.registry")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -173,6 +175,7 @@ class EngineHeartbeat:
         self._tokenizer = tokenizer
         self._task: asyncio.Task | None = None
         self._engine_id: str | None = None
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -181,7 +184,9 @@ class EngineHeartbeat:
         backoff = self.interval_s
         tokenizer_published = False
         healthy = True
-        while True:
+        # Checked as well as cancelled: a cancellation that a Redis call turned into one of the errors
+        # retried below must not keep the loop (and the engine process waiting on it) alive.
+        while not self._stopping:
             record = self._record_fn()
             try:
                 if record is not None:
@@ -202,16 +207,15 @@ class EngineHeartbeat:
                 await asyncio.sleep(backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, self.ttl_s / 2)
 
-    async def stop(self) -> None:
-        """Stop heartbeating and remove the record (routers stop admitting to this engine at once)."""
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop heartbeating and remove the record (routers stop admitting to this engine at once).
+
+        Each part bounded (``router.lifecycle.bounded``): an engine's exit waits on this."""
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await bounded(self._task, "heartbeat", log=logger, prefix="registry", timeout_s=timeout_s)
         if self._engine_id is not None:
-            try:
-                await self.registry.deregister(self._engine_id)
-            except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
-                pass  # the entry lapses by itself after ttl_s
+            # A failure is logged and left: the entry lapses by itself after ttl_s.
+            await bounded(self.registry.deregister(self._engine_id), "deregister", log=logger, prefix="registry",
+                          timeout_s=timeout_s)

@@ -36,6 +36,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from pagoda.v1 import common_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from router.auth import BearerTokenInterceptor
 from router.config import RouterConfig
+from router.lifecycle import bounded, install_stack_dumps
 from router.metrics import RouterMetrics
 from router.queue import DuplicateRequest, EngineRoom, Placed, QueueFull, RedisRequestQueue
 from router.registry import EngineRecord, EngineRegistry
@@ -216,18 +217,8 @@ class RouterServer:
 
     @staticmethod
     async def _bounded(awaitable, stage: str, timeout_s: float = 5.0) -> None:
-        """Await one shutdown stage for at most ``timeout_s``; a stage that fails is logged, not raised.
-
-        Not ``asyncio.wait_for``: on its timeout it cancels the stage and then waits, unbounded, for
-        the cancellation to finish, so a stage that does not react to it would hold the stop anyway.
-        """
-        task = asyncio.ensure_future(awaitable)
-        done, _ = await asyncio.wait({task}, timeout=timeout_s)
-        if not done:
-            task.cancel()  # not awaited, for the reason above
-            logger.warning("router.shutdown_stage_timeout", stage=stage, timeout_s=timeout_s)
-        elif not task.cancelled() and task.exception() is not None:
-            logger.warning("router.shutdown_stage_failed", stage=stage, error=repr(task.exception()))
+        """One shutdown stage, bounded (``router.lifecycle.bounded``)."""
+        await bounded(awaitable, stage, log=logger, prefix="router", timeout_s=timeout_s)
 
     async def serve(self) -> None:
         """Start, drain and stop on SIGTERM / SIGINT, return when stopped."""

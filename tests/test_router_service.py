@@ -253,8 +253,12 @@ def test_tls_on_the_public_api_and_mutual_tls_to_the_engine(make_router, svc):
 def test_engine_writes_its_stacks_on_sigusr1_and_keeps_serving(make_router, svc):
     engine = svc["engine"]
     engine.proc.send_signal(signal.SIGUSR1)
-    wait_for(lambda: "most recent call first" in engine.log_path.read_text(errors="replace"), 10,
-             "the engine's thread stacks in its log")
+    log = lambda: engine.log_path.read_text(errors="replace")  # noqa: E731
+    wait_for(lambda: "most recent call first" in log(), 10, "the engine's thread stacks in its log")
+    # Then the asyncio tasks, with the await each is parked on: the heartbeat loop's among them.
+    wait_for(lambda: "pending tasks" in log(), 10, "the engine's asyncio task stacks in its log")
+    tasks = log().split("pending tasks", 1)[1]
+    assert "registry.py" in tasks and "in _run" in tasks, tasks[:2000]
     assert engine.alive()
     rt = make_router()
     with RouterClient(rt.target, max_retries=0) as client:

@@ -6,11 +6,13 @@ import asyncio
 
 import grpc
 import pytest
+import redis.asyncio as aioredis
 
 from pagoda.v1 import common_pb2, router_pb2
 from router.auth import BearerTokenInterceptor
 from router.client import _Retry, build_request
 from router.config import RouterConfig
+from router.registry import EngineHeartbeat
 from router.server import RouterServer
 from router.tokenizer import PromptTokenizer
 from router.validation import Limits, ModelLimits, prefix_key, validate
@@ -198,3 +200,29 @@ def test_shutdown_stages_are_bounded_even_when_a_stage_ignores_cancellation():
         return took
 
     assert asyncio.run(main()) < 2.0
+
+
+def test_heartbeat_stops_even_when_redis_turns_its_cancellation_into_an_error():
+    async def converts_cancellation(record, ttl_s):
+        # A Redis call that, cancelled mid-command, raises a connection error instead: the loop
+        # retries such errors, so cancelling alone would leave it running.
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise aioredis.ConnectionError("connection closed while cancelled") from None
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        # The client is never used: no heartbeat succeeds, so there is nothing to deregister.
+        hb = EngineHeartbeat(aioredis.Redis(), lambda: "record", interval_s=0.05, ttl_s=1.0)
+        hb.registry.heartbeat = converts_cancellation
+        hb.start()
+        await asyncio.sleep(0.1)
+        start = loop.time()
+        await hb.stop(timeout_s=3.0)
+        took = loop.time() - start
+        await asyncio.sleep(0)
+        return took, hb._task.done()
+
+    took, done = asyncio.run(main())
+    assert done and took < 1.5, (took, done)

@@ -1,0 +1,68 @@
+"""Stopping and inspecting long-running asyncio services (the router and the engine service).
+
+Kept free of torch and gRPC imports: both ``python -m router`` and ``python -m engine_service`` use it.
+"""
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import signal
+import sys
+from collections.abc import Awaitable
+
+import structlog
+
+
+async def bounded(awaitable: Awaitable, stage: str, *, log=None, prefix: str = "server",
+                  timeout_s: float = 5.0) -> bool:
+    """Await one shutdown stage for at most ``timeout_s``; a stage that fails is logged, not raised.
+
+    Returns whether the stage finished in time. Not ``asyncio.wait_for``: on its timeout it cancels
+    the stage and then waits, unbounded, for the cancellation to finish, so a stage that does not
+    react to it would hold the stop anyway. Logs ``<prefix>.shutdown_stage_timeout`` /
+    ``<prefix>.shutdown_stage_failed`` with the stage's name on ``log`` (a structlog logger).
+    """
+    log = log or structlog.get_logger("pagoda")
+    task = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()  # not awaited, for the reason above
+        log.warning(f"{prefix}.shutdown_stage_timeout", stage=stage, timeout_s=timeout_s)
+        return False
+    if not task.cancelled() and task.exception() is not None:
+        log.warning(f"{prefix}.shutdown_stage_failed", stage=stage, error=repr(task.exception()))
+    return True
+
+
+def dump_tasks(file=None) -> int:
+    """Write every pending asyncio task of the running loop, with the frames it is suspended in."""
+    file = file or sys.stderr
+    tasks = [t for t in asyncio.all_tasks() if not t.done()]
+    print(f"asyncio: {len(tasks)} pending tasks (most recent call last)", file=file)
+    for task in tasks:
+        print(f"Task {task.get_name()}: {task.get_coro()!r}", file=file)
+        # The whole await chain down to the leaf it waits on (Task.get_stack gives only the task's own
+        # frame, and print_stack fails on frames without a line number, as gRPC's Cython coroutines have).
+        awaited = task.get_coro()
+        while awaited is not None:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is not None:
+                code = frame.f_code
+                print(f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}', file=file)
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    file.flush()
+    return len(tasks)
+
+
+def install_stack_dumps() -> None:
+    """``kill -USR1 <pid>`` writes every thread's stack, then every pending asyncio task's, to stderr,
+    and the process goes on: for a service that is stuck, or slow to exit.
+
+    Call from inside the running loop. The thread dump is faulthandler's (it works even when the
+    loop is blocked); the task dump runs on the loop, so it shows which await a task waits on (what
+    a thread stack parked in ``select`` cannot tell).
+    """
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
+    # After asyncio's handler, and chained to it: faulthandler dumps at once, then asyncio's runs.
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
