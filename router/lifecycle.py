@@ -10,31 +10,25 @@ import signal
 import sys
 from collections.abc import Awaitable
 
-import structlog
 
-
-async def bounded(awaitable: Awaitable, stage: str, *, log=None, prefix: str = "server",
-                  timeout_s: float = 5.0) -> bool:
+async def bounded(awaitable: Awaitable, stage: str, *, log, prefix: str = "server", timeout_s: float = 5.0) -> None:
     """Await one shutdown stage for at most ``timeout_s``; a stage that fails is logged, not raised.
 
-    Returns whether the stage finished in time. Not ``asyncio.wait_for``: on its timeout it cancels
-    the stage and then waits, unbounded, for the cancellation to finish, so a stage that does not
-    react to it would hold the stop anyway. Logs ``<prefix>.shutdown_stage_timeout`` /
-    ``<prefix>.shutdown_stage_failed`` with the stage's name on ``log`` (a structlog logger).
+    Not ``asyncio.wait_for``: on its timeout it cancels the stage and then waits, unbounded, for the
+    cancellation to finish, so a stage that does not react to it would hold the stop anyway. Logs
+    ``<prefix>.shutdown_stage_timeout`` / ``<prefix>.shutdown_stage_failed`` with the stage's name on
+    ``log`` (a structlog logger).
     """
-    log = log or structlog.get_logger("pagoda")
     task = asyncio.ensure_future(awaitable)
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
     if not done:
         task.cancel()  # not awaited, for the reason above
         log.warning(f"{prefix}.shutdown_stage_timeout", stage=stage, timeout_s=timeout_s)
-        return False
-    if not task.cancelled() and task.exception() is not None:
+    elif not task.cancelled() and task.exception() is not None:
         log.warning(f"{prefix}.shutdown_stage_failed", stage=stage, error=repr(task.exception()))
-    return True
 
 
-def dump_tasks(file=None) -> int:
+def dump_tasks(file=None) -> None:
     """Write every pending asyncio task of the running loop, with the frames it is suspended in."""
     file = file or sys.stderr
     tasks = [t for t in asyncio.all_tasks() if not t.done()]
@@ -51,7 +45,6 @@ def dump_tasks(file=None) -> int:
                 print(f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}', file=file)
             awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
     file.flush()
-    return len(tasks)
 
 
 def install_stack_dumps() -> None:
