@@ -59,7 +59,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: 64 on CPU, 16 on GPU)")
     e.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None, help="CPU KV budget, e.g. 4GiB")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

@@ -35,9 +35,10 @@ def hf_tiny(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     rng = random.Random(1)
-    shared = [rng.randrange(100, 40000) for _ in range(37)]
+    shared = [rng.randrange(100, 40000) for _ in range(70)]
     ps = [[rng.randrange(100, 40000) for _ in range(rng.randint(1, 90))] for _ in range(10)]
-    # Shared prefixes exercise the prefix cache (37 = 2 full blocks of 16 + a partial one).
+    # Shared prefixes exercise the prefix cache (70 = 1 full block of 64, the CPU default, or 4 of
+    # 16, + a partial one).
     ps += [shared + [rng.randrange(100, 40000) for _ in range(rng.randint(0, 20))] for _ in range(4)]
     return ps
 
@@ -52,9 +53,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 SCHEDULES = {
     "default": {},
     "chunked-prefill": {"max_num_batched_tokens": 24},
-    "preempt-recompute": {"num_gpu_blocks_override": 14, "max_model_len": 128, "max_num_batched_tokens": 48},
-    "preempt-swap": {"num_gpu_blocks_override": 14, "max_model_len": 128, "preemption_mode": "swap",
+    "preempt-recompute": {"num_gpu_blocks_override": 14, "block_size": 16, "max_model_len": 128,
+                          "max_num_batched_tokens": 48},
+    "preempt-swap": {"num_gpu_blocks_override": 14, "block_size": 16, "max_model_len": 128, "preemption_mode": "swap",
                      "max_num_batched_tokens": 48},
+    "block-size-16": {"block_size": 16},
     "no-prefix-cache": {"enable_prefix_caching": False, "max_num_seqs": 3},
     "block-size-32": {"block_size": 32},
     "torch-attention": {"attention_backend": "torch", "max_num_batched_tokens": 40},
@@ -100,7 +103,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_llama_dir, prom
                          [others, others, seeded, others, others, others], use_tqdm=False)
     assert mixed[2].outputs[0].token_ids == alone
     n2 = llm.generate([{"prompt_token_ids": prompts[0]}],
-                      SamplingParams(n=2, temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True),
+                      SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True),
                       use_tqdm=False)[0]
     assert n2.outputs[0].token_ids == alone
     assert n2.outputs[1].token_ids != alone, "forked samples of a seeded request must differ"
@@ -195,7 +198,7 @@ def test_bad_requests_fail_alone(tiny_llama_dir, prompts, reference):
 
 def test_kv_budget_too_small_fails_at_startup(tiny_llama_dir):
     with pytest.raises(ValueError, match="KV cache too small.*needs 64 blocks"):
-        LLM(tiny_llama_dir, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=10_000)
+        LLM(tiny_llama_dir, dtype="float32", max_model_len=1024, block_size=16, kv_cache_memory_bytes=10_000)
 
 
 def test_logprobs_match_transformers(tiny_llama_dir, hf_tiny, prompts, reference):

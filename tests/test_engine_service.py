@@ -291,7 +291,7 @@ def test_health_reflection_and_model_info(bundled_server):
     info, services = asyncio.run(main())
     assert info.model_id == "SmolLM2-135M-Instruct" and info.model == "bundled"
     assert info.max_model_len == 512 and info.vocab_size == 49152 and 2 in info.eos_token_ids
-    assert info.dtype == "float32" and info.block_size == 16 and info.tokenizer
+    assert info.dtype == "float32" and info.block_size == 64 and info.tokenizer
     assert {"pagoda.v1.Engine", "grpc.health.v1.Health"} <= set(services)
 
 

@@ -84,7 +84,7 @@ def test_bundled_model_matches_transformers_greedy(bundled_dir):
 
     # 40 blocks x 16 tokens: far less than 24 x (prompt + 32) tokens, so sequences are preempted;
     # a 64-token step budget chunks every prompt longer than that.
-    llm = LLM(bundled_dir, dtype="float32", max_model_len=512, num_gpu_blocks_override=40,
+    llm = LLM(bundled_dir, dtype="float32", max_model_len=512, num_gpu_blocks_override=40, block_size=16,
               max_num_batched_tokens=64, max_num_seqs=16)
     prompts = build_prompts(llm.get_tokenizer())
     assert len(prompts) >= 24
