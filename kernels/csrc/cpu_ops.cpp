@@ -162,11 +162,6 @@ inline double hsum4d(__m256d a) {
 template <typename T>
 void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride, const T* weight, T* out,
                    int64_t out_stride, int64_t rows, int64_t hidden, float eps) {
-#if PAGODA_EW_AVX512
-  std::vector<float> wbuf(hidden);  // the weight widened once for all rows
-  for (int64_t j = 0; j < hidden; ++j) wbuf[j] = load(weight[j]);
-  const float* wf = wbuf.data();
-#endif
 #pragma omp parallel for schedule(static) num_threads(threads_for(rows * hidden))
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * x_stride;
@@ -207,7 +202,7 @@ void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride
     const __m512 vinv = _mm512_set1_ps(inv);
     for (; i + 16 <= hidden; i += 16) {
       __m512 n = round16(_mm512_mul_ps(load16(src + i), vinv), static_cast<T*>(nullptr));
-      store16(outr + i, _mm512_mul_ps(_mm512_loadu_ps(wf + i), n));
+      store16(outr + i, _mm512_mul_ps(load16(weight + i), n));
     }
 #elif PAGODA_EW_AVX2
     const __m256 vinv = _mm256_set1_ps(inv);
@@ -396,7 +391,7 @@ inline __m512 silu_bf16_lookup16(const bf16_t* p, const uint16_t* table) {
 template <typename T>
 void silu_and_mul_impl(const T* gate_up, int64_t in_stride, T* out, int64_t out_stride, int64_t rows, int64_t inter) {
 #if PAGODA_EW_AVX512
-  const uint16_t* table = std::is_same_v<T, bf16_t> ? silu_bf16_table() : nullptr;
+  [[maybe_unused]] const uint16_t* table = std::is_same_v<T, bf16_t> ? silu_bf16_table() : nullptr;
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads_for(rows * inter))
   for (int64_t r = 0; r < rows; ++r) {
