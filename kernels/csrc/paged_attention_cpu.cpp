@@ -1047,25 +1047,23 @@ struct PrefillScratch {
 template <typename T>
 using PanelQ = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
 
-// Scores of a panel of R rows against the 64 keys of the packed tile: s[r][v] (16 keys each).
-template <typename T, int R>
+// Scores of a panel of R rows against the first 16 NV keys of the packed tile: s[r][v] (16 keys
+// each, v < NV; the rest are left alone).
+template <typename T, int R, int NV>
 PAGODA_INLINE void panel_scores(const void* qrows, int D, const float* kp, __m512 s[R][4]) {
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) s[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) s[r][v] = _mm512_setzero_ps();
 #if PAGODA_DPBF16
   if constexpr (std::is_same_v<T, bf16_t>) {
     const int32_t* q = static_cast<const int32_t*>(qrows);  // row r: D/2 dwords at q + r * D / 2
     const int half = D / 2;
     for (int p = 0; p < half; ++p) {
       const float* kr = kp + p * kKeyTile;
-      const __m512bh k0 = (__m512bh)_mm512_loadu_ps(kr), k1 = (__m512bh)_mm512_loadu_ps(kr + 16),
-                     k2 = (__m512bh)_mm512_loadu_ps(kr + 32), k3 = (__m512bh)_mm512_loadu_ps(kr + 48);
+      __m512bh k[NV];
+      for (int v = 0; v < NV; ++v) k[v] = (__m512bh)_mm512_loadu_ps(kr + 16 * v);
       for (int r = 0; r < R; ++r) {
         const __m512bh w = (__m512bh)_mm512_set1_epi32(q[r * half + p]);
-        s[r][0] = _mm512_dpbf16_ps(s[r][0], k0, w);
-        s[r][1] = _mm512_dpbf16_ps(s[r][1], k1, w);
-        s[r][2] = _mm512_dpbf16_ps(s[r][2], k2, w);
-        s[r][3] = _mm512_dpbf16_ps(s[r][3], k3, w);
+        for (int v = 0; v < NV; ++v) s[r][v] = _mm512_dpbf16_ps(s[r][v], k[v], w);
       }
     }
     return;
@@ -1074,14 +1072,11 @@ PAGODA_INLINE void panel_scores(const void* qrows, int D, const float* kp, __m51
   const float* q = static_cast<const float*>(qrows);
   for (int d = 0; d < D; ++d) {
     const float* kr = kp + d * kKeyTile;
-    const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
-                 k3 = _mm512_loadu_ps(kr + 48);
+    __m512 k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = _mm512_loadu_ps(kr + 16 * v);
     for (int r = 0; r < R; ++r) {
       const __m512 w = _mm512_set1_ps(q[r * D + d]);
-      s[r][0] = _mm512_fmadd_ps(k0, w, s[r][0]);
-      s[r][1] = _mm512_fmadd_ps(k1, w, s[r][1]);
-      s[r][2] = _mm512_fmadd_ps(k2, w, s[r][2]);
-      s[r][3] = _mm512_fmadd_ps(k3, w, s[r][3]);
+      for (int v = 0; v < NV; ++v) s[r][v] = _mm512_fmadd_ps(k[v], w, s[r][v]);
     }
   }
 }
@@ -1302,14 +1297,28 @@ void prefill_panel_amx(PrefillScratch& S, const uint16_t* qrows, int row0, int D
 // whose token sees only part of the tile get lanes past lim[r] masked), P @ V.
 template <typename T>
 void prefill_panel(PrefillScratch& S, const void* qrows, int row0, int D, int nk, const int* lim, float qscale) {
+  // Only the key vectors some row of the panel sees are multiplied (on the causal diagonal a panel
+  // sees part of the tile); the others stay -inf and get P = 0.
+  int vis = 0;
+  for (int r = 0; r < kPanel; ++r) vis = std::max(vis, lim[r]);
+  vis = std::min(vis, nk);
   __m512 s[kPanel][4];
-  panel_scores<T, kPanel>(qrows, D, S.kp.data(), s);
+  switch ((vis + 15) / 16) {
+    case 1: panel_scores<T, kPanel, 1>(qrows, D, S.kp.data(), s); break;
+    case 2: panel_scores<T, kPanel, 2>(qrows, D, S.kp.data(), s); break;
+    case 3: panel_scores<T, kPanel, 3>(qrows, D, S.kp.data(), s); break;
+    default: panel_scores<T, kPanel, 4>(qrows, D, S.kp.data(), s); break;
+  }
   const __m512 vscale = _mm512_set1_ps(qscale);
   __mmask16 mk[kPanel][4];
   for (int r = 0; r < kPanel; ++r) {
     for (int v = 0; v < 4; ++v) {
       const int n = std::max(0, std::min(16, lim[r] - 16 * v));
       mk[r][v] = lane_mask(n);
+      if (16 * v >= vis) {  // not computed
+        s[r][v] = _mm512_set1_ps(kNegInf);
+        continue;
+      }
       s[r][v] = _mm512_mul_ps(s[r][v], vscale);
       if (n < 16) s[r][v] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), mk[r][v], s[r][v]);
     }
@@ -1332,7 +1341,7 @@ void prefill_panel(PrefillScratch& S, const void* qrows, int row0, int D, int nk
 #endif
     for (int v = 0; v < 4; ++v) _mm512_store_ps(S.p + r * kKeyTile + 16 * v, e[v]);
   }
-  panel_pv_all<T, kPanel>(S.O.data() + static_cast<size_t>(row0) * D, D, alpha, S.p, nk, S.vp.data(), S.vrow);
+  panel_pv_all<T, kPanel>(S.O.data() + static_cast<size_t>(row0) * D, D, alpha, S.p, vis, S.vp.data(), S.vrow);
 }
 
 // In: 16 rows of 16 dwords; out: r[j] lane i = row i's element j.
