@@ -12,12 +12,18 @@ markdown table (output and total tokens/s, ratio Pagoda / engine, TTFT p50 / p99
 submitted at t0) and the fraction of the machine's arithmetic ceiling each engine used:
 2 x non-embedding weights per prompt and output token + 2 x LM head per output token + causal
 attention, over the 2048^3 matmul rate of the run's dtype and of the faster dtype.
+
+``--repeat N`` runs the engine list N times round-robin (pagoda, vllm, pagoda, vllm, ...), so a
+slow spell of the host hits both engines alike; each row of the table then gives the engine's median
+elapsed time (output tok/s = its tokens / that) and median TTFTs, with every run's output tok/s
+beside them. Use an odd count: the host's noise is ±5-15% from one run to the next.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -114,20 +120,33 @@ def main() -> int:
                     help="comma-separated, run in this order: pagoda,vllm,hf-single,hf-static,hf-cb")
     ap.add_argument("--matmul-dtype", default=None, help="pagoda's EngineConfig.matmul_dtype (default auto)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--repeat", type=int, default=1, help="run the engine list this many times, round-robin")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
 
     before = matmul_rates()
     print(f"matmul 2048^3 before: fp32 {before['float32']:.0f}, bf16 {before['bfloat16']:.0f} GFLOP/s", flush=True)
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.repeat):
+        for engine in args.engines.split(","):
+            try:
+                res = run_engine(engine, args)
+            except RuntimeError as e:
+                print(f"!! {e}", flush=True)
+                continue
+            runs.setdefault(engine, []).append(res)
+            print(f"  {res['engine']}: {res['output_tokens'] / res['elapsed']:.1f} output tok/s "
+                  f"({res['elapsed']:.1f} s)", flush=True)
+    # One row per engine: the median over its runs of the elapsed time and of each TTFT figure.
     results = []
-    for engine in args.engines.split(","):
-        try:
-            res = run_engine(engine, args)
-        except RuntimeError as e:
-            print(f"!! {e}", flush=True)
-            continue
-        results.append(res)
-        print(f"  {res['engine']}: {res['output_tokens'] / res['elapsed']:.1f} output tok/s "
-              f"({res['elapsed']:.1f} s)", flush=True)
+    for rs in runs.values():
+        r = dict(rs[0])
+        for key in ("elapsed", "ttft_p50", "ttft_p99"):
+            if key in r:
+                r[key] = statistics.median(x[key] for x in rs)
+        r["runs_tok_s"] = [x["output_tokens"] / x["elapsed"] for x in rs]
+        results.append(r)
     after = matmul_rates()
     print(f"matmul 2048^3 after: fp32 {after['float32']:.0f}, bf16 {after['bfloat16']:.0f} GFLOP/s")
     rate = {k: (before[k] + after[k]) / 2 for k in before}
@@ -136,9 +155,10 @@ def main() -> int:
     pagoda = next((r for r in results if r["engine"].startswith("pagoda")), None)
     print(f"\n{args.dtype}; matmul rate (mean of before/after) {rate[args.dtype]:.0f} GFLOP/s in {args.dtype}, "
           f"{best:.0f} in the faster dtype\n")
+    runs_col = args.repeat > 1
     print("| engine | workload | output tok/s | total tok/s | Pagoda / engine | TTFT p50 s | TTFT p99 s "
-          f"| % of {args.dtype} matmul rate | % of best matmul rate |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"| % of {args.dtype} matmul rate | % of best matmul rate |" + (" every run's output tok/s |" if runs_col else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if runs_col else ""))
     for r in results:
         reqs = load_workload(r["workload"])
         prompt = sum(len(x["prompt_token_ids"]) for x in reqs)
@@ -151,10 +171,11 @@ def main() -> int:
             ratio = f"{(pagoda['output_tokens'] / pagoda['elapsed']) / out_rate:.2f}x (other workload)"
         ttft = (f"{r['ttft_p50']:.1f} | {r['ttft_p99']:.1f}") if "ttft_p50" in r else "— | —"
         print(f"| {r['engine']} | {r['workload']} | {out_rate:.1f} | {(r['output_tokens'] + prompt) / r['elapsed']:.1f} "
-              f"| {ratio} | {ttft} | {100 * gflops / rate[args.dtype]:.0f}% | {100 * gflops / best:.0f}% |")
+              f"| {ratio} | {ttft} | {100 * gflops / rate[args.dtype]:.0f}% | {100 * gflops / best:.0f}% |"
+              + (f" {', '.join(f'{x:.1f}' for x in r['runs_tok_s'])} |" if runs_col else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"dtype": args.dtype, "matmul_before": before, "matmul_after": after, "results": results}, f,
+            json.dump({"dtype": args.dtype, "matmul_before": before, "matmul_after": after, "results": results, "runs": runs}, f,
                       indent=1)
     return 0
 
