@@ -36,7 +36,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from pagoda.v1 import common_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from router.auth import BearerTokenInterceptor
 from router.config import RouterConfig
-from router.lifecycle import bounded, install_stack_dumps
+from router.lifecycle import bounded
 from router.metrics import RouterMetrics
 from router.queue import DuplicateRequest, EngineRoom, Placed, QueueFull, RedisRequestQueue
 from router.registry import EngineRecord, EngineRegistry
