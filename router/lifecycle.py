@@ -29,12 +29,16 @@ async def bounded(awaitable: Awaitable, stage: str, *, log, prefix: str = "serve
 
 
 def dump_tasks(file=None) -> None:
-    """Write every pending asyncio task of the running loop, with the frames it is suspended in."""
+    """Write every pending asyncio task of the running loop, with the frames it is suspended in.
+
+    The dump is one write, ending in an ``asyncio: end of task dump`` line, so log lines from other
+    threads do not land inside it and a reader of the log knows when it is whole.
+    """
     file = file or sys.stderr
     tasks = [t for t in asyncio.all_tasks() if not t.done()]
-    print(f"asyncio: {len(tasks)} pending tasks (most recent call last)", file=file)
+    lines = [f"asyncio: {len(tasks)} pending tasks (most recent call last)"]
     for task in tasks:
-        print(f"Task {task.get_name()}: {task.get_coro()!r}", file=file)
+        lines.append(f"Task {task.get_name()}: {task.get_coro()!r}")
         # The whole await chain down to the leaf it waits on (Task.get_stack gives only the task's own
         # frame, and print_stack fails on frames without a line number, as gRPC's Cython coroutines have).
         awaited = task.get_coro()
@@ -42,8 +46,10 @@ def dump_tasks(file=None) -> None:
             frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
             if frame is not None:
                 code = frame.f_code
-                print(f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}', file=file)
+                lines.append(f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}')
             awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    lines.append("asyncio: end of task dump")
+    file.write("\n".join(lines) + "\n")
     file.flush()
 
 

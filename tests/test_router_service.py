@@ -256,8 +256,8 @@ def test_engine_writes_its_stacks_on_sigusr1_and_keeps_serving(make_router, svc)
     log = lambda: engine.log_path.read_text(errors="replace")  # noqa: E731
     wait_for(lambda: "most recent call first" in log(), 10, "the engine's thread stacks in its log")
     # Then the asyncio tasks, with the await each is parked on: the heartbeat loop's among them.
-    wait_for(lambda: "pending tasks" in log(), 10, "the engine's asyncio task stacks in its log")
-    tasks = log().split("pending tasks", 1)[1]
+    wait_for(lambda: "end of task dump" in log(), 10, "the engine's asyncio task stacks in its log")
+    tasks = log().split("pending tasks", 1)[1].split("end of task dump", 1)[0]
     assert "registry.py" in tasks and "in _run" in tasks, tasks[:2000]
     assert engine.alive()
     rt = make_router()
