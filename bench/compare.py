@@ -2,15 +2,18 @@
 
     python bench/compare.py --dtype bfloat16                          # Pagoda and vLLM on W
     python bench/compare.py --dtype float32 --engines pagoda,vllm,hf-static --hf-workload W-small
-    bash bench/setup_baselines.sh                                    # makes the vLLM venv first
+    python bench/compare.py --engines pagoda,llamacpp --hf-workload W-small   # llama.cpp, apart
+    bash bench/setup_baselines.sh                                    # makes the baseline venvs first
 
 Each engine runs in its own process (bench/engine_runner.py) inside its own virtualenv: Pagoda in
 this repo's .venv, vLLM in $PAGODA_VLLM_VENV (default /work/baselines/vllm, made by
-bench/setup_baselines.sh: vLLM pins its own transformers). Engines run one after another, never
-together; torch's matmul rate is measured before and after them, so host noise shows. Printed: a
-markdown table (output and total tokens/s, ratio Pagoda / engine, TTFT p50 / p99 with every request
-submitted at t0) and the fraction of the machine's arithmetic ceiling each engine used:
-2 x non-embedding weights per prompt and output token + 2 x LM head per output token + causal
+bench/setup_baselines.sh: vLLM pins its own transformers), llama.cpp in $PAGODA_LLAMACPP_VENV
+(default /work/baselines/llamacpp; llama-cpp-python on the original Q4_1 GGUF: its weights and
+arithmetic are 4-bit, so its row is a different precision and its ratio says so). Engines run one
+after another, never together; torch's matmul rate is measured before and after them, so host noise
+shows. Printed: a markdown table (output and total tokens/s, ratio Pagoda / engine, TTFT p50 / p99
+with every request submitted at t0) and the fraction of the machine's arithmetic ceiling each engine
+used: 2 x non-embedding weights per prompt and output token + 2 x LM head per output token + causal
 attention, over the 2048^3 matmul rate of the run's dtype and of the faster dtype.
 
 ``--repeat N`` runs the engine list N times round-robin (pagoda, vllm, pagoda, vllm, ...), so a
@@ -37,6 +40,7 @@ from engine_runner import load_workload  # noqa: E402
 
 PAGODA_PY = os.environ.get("PAGODA_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
 VLLM_VENV = Path(os.environ.get("PAGODA_VLLM_VENV", "/work/baselines/vllm"))
+LLAMACPP_VENV = Path(os.environ.get("PAGODA_LLAMACPP_VENV", "/work/baselines/llamacpp"))
 
 MATMUL_SNIPPET = """
 import time, torch
@@ -93,6 +97,15 @@ def run_engine(engine: str, args) -> dict:
         threads = os.cpu_count() or 1
         # vLLM's default binding keeps one core for itself (half the machine here); 4 GiB of KV as Pagoda.
         env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+    elif engine == "llamacpp":
+        py = str(LLAMACPP_VENV / "bin" / "python")
+        if not Path(py).exists():
+            sys.exit(f"no llama.cpp venv at {LLAMACPP_VENV}: run `bash bench/setup_baselines.sh` "
+                     "or set PAGODA_LLAMACPP_VENV")
+        sys.path.insert(0, str(ROOT))
+        from engine_service.model_loader import bundled_gguf_path
+
+        cmd += ["--workload", args.hf_workload, "--gguf", bundled_gguf_path()]
     else:
         py = PAGODA_PY
         wl = args.workload if engine == "pagoda" else args.hf_workload
@@ -115,9 +128,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--workload", default="W", choices=["W", "W-small"])
     ap.add_argument("--hf-workload", default="W-small", choices=["W", "W-small"],
-                    help="workload of the transformers baselines (slow)")
+                    help="workload of the slow baselines (transformers, llama.cpp one at a time)")
     ap.add_argument("--engines", default="pagoda,vllm",
-                    help="comma-separated, run in this order: pagoda,vllm,hf-single,hf-static,hf-cb")
+                    help="comma-separated, run in this order: pagoda,vllm,hf-single,hf-static,hf-cb,llamacpp")
     ap.add_argument("--matmul-dtype", default=None, help="pagoda's EngineConfig.matmul_dtype (default auto)")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--repeat", type=int, default=1, help="run the engine list this many times, round-robin")
@@ -165,10 +178,11 @@ def main() -> int:
         out_rate = r["output_tokens"] / r["elapsed"]
         gflops = model_flops(reqs) / r["elapsed"] / 1e9
         ratio = ""
-        if pagoda and r is not pagoda and r["workload"] == pagoda["workload"]:
-            ratio = f"{(pagoda['output_tokens'] / pagoda['elapsed']) / out_rate:.2f}x"
-        elif pagoda and r is not pagoda:
-            ratio = f"{(pagoda['output_tokens'] / pagoda['elapsed']) / out_rate:.2f}x (other workload)"
+        if pagoda and r is not pagoda:
+            apart = [w for w, differs in (("other workload", r["workload"] != pagoda["workload"]),
+                                          ("4-bit weights", r["engine"].startswith("llama.cpp"))) if differs]
+            ratio = f"{(pagoda['output_tokens'] / pagoda['elapsed']) / out_rate:.2f}x" + (
+                f" ({', '.join(apart)})" if apart else "")
         ttft = (f"{r['ttft_p50']:.1f} | {r['ttft_p99']:.1f}") if "ttft_p50" in r else "— | —"
         print(f"| {r['engine']} | {r['workload']} | {out_rate:.1f} | {(r['output_tokens'] + prompt) / r['elapsed']:.1f} "
               f"| {ratio} | {ttft} | {100 * gflops / rate[args.dtype]:.0f}% | {100 * gflops / best:.0f}% |"

@@ -3,7 +3,7 @@
     <venv>/bin/python bench/engine_runner.py --engine pagoda|vllm --dtype bfloat16 --workload W
 
 Runs inside the engine's own virtualenv (vLLM pins its own transformers, so it cannot share
-Pagoda's), started by bench/compare.py. Both engines are driven the same way: every request is
+Pagoda's; llama-cpp-python is built from source in its own), started by bench/compare.py. Both engines are driven the same way: every request is
 added at t0, then the engine's step loop runs to completion; the wall clock at the step that
 returns a request's first token is its TTFT. Model loading and warm-up (vLLM compiles at start-up)
 are excluded. Pure standard library plus the engine, so it imports in any of the venvs.
@@ -136,12 +136,43 @@ def run_transformers(args, requests) -> dict:
     return res
 
 
+def run_llamacpp(args, requests) -> dict:
+    """llama.cpp through llama-cpp-python on the original GGUF (its own quantized weights and
+    arithmetic, so a different precision from every other row), one request at a time as its
+    high-level API serves them: greedy, exactly max_tokens tokens per request (EOS ignored)."""
+    import llama_cpp
+
+    if not args.gguf:
+        sys.exit("--gguf is required for llamacpp (bench/compare.py passes the bundled GGUF)")
+    threads = os.cpu_count() or 1
+    longest = max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in requests)
+    llm = llama_cpp.Llama(model_path=args.gguf, n_ctx=longest + 16, n_batch=512, n_threads=threads,
+                          n_threads_batch=threads, seed=0, verbose=False)
+
+    def one(r) -> int:
+        gen = llm.generate(r["prompt_token_ids"], top_k=1, temp=0.0, repeat_penalty=1.0, reset=True)
+        n = 0
+        for _ in gen:  # never stops by itself: EOS is just another token here
+            n += 1
+            if n == r["max_tokens"]:
+                break
+        return n
+
+    one({"prompt_token_ids": requests[0]["prompt_token_ids"], "max_tokens": 4})  # warm-up
+    t0 = time.perf_counter()
+    tokens = sum(one(r) for r in requests)
+    res = {"elapsed": time.perf_counter() - t0, "output_tokens": tokens, "requests": len(requests)}
+    res["engine"] = f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, {Path(args.gguf).name}, one at a time)"
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", required=True, choices=["pagoda", "vllm", "hf-single", "hf-static", "hf-cb"])
+    ap.add_argument("--engine", required=True, choices=["pagoda", "vllm", "hf-single", "hf-static", "hf-cb", "llamacpp"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--workload", default="W", choices=["W", "W-small"])
     ap.add_argument("--model-dir", default=None, help="vllm: the bundled model as a HF directory")
+    ap.add_argument("--gguf", default=None, help="llamacpp: the bundled model's GGUF file")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--matmul-dtype", default="auto", help="pagoda: EngineConfig.matmul_dtype")
@@ -149,7 +180,7 @@ def main() -> int:
                     help="pagoda: skip detokenization (vLLM detokenizes; the default keeps it on)")
     args = ap.parse_args()
     requests = load_workload(args.workload)
-    run = {"pagoda": run_pagoda, "vllm": run_vllm}.get(args.engine, run_transformers)
+    run = {"pagoda": run_pagoda, "vllm": run_vllm, "llamacpp": run_llamacpp}.get(args.engine, run_transformers)
     res = run(args, requests)
     res.update(dtype=args.dtype, workload=args.workload)
     print("RESULT " + json.dumps(res), flush=True)

@@ -13,4 +13,12 @@ if [ ! -x "$dir/vllm/bin/python" ]; then
     "$dir/vllm/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 fi
 "$dir/vllm/bin/python" -c "import vllm; print('vLLM', vllm.__version__, 'ready in $dir/vllm')"
+if [ ! -x "$dir/llamacpp/bin/python" ]; then
+    # llama.cpp for the original GGUF. PyPI has only the source: pip compiles it for this CPU
+    # (cmake + gcc, a few minutes on two cores).
+    python3 -m venv "$dir/llamacpp"
+    "$dir/llamacpp/bin/pip" install -q llama-cpp-python==0.3.36
+fi
+"$dir/llamacpp/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ready in $dir/llamacpp')"
 echo "run: PAGODA_VLLM_VENV=$dir/vllm python bench/compare.py --dtype bfloat16"
+echo " and PAGODA_LLAMACPP_VENV=$dir/llamacpp python bench/compare.py --engines pagoda,llamacpp"
