@@ -50,7 +50,7 @@ CASES = [
     ("llama8b", 32, 8, 128, 2, 4096),
 ]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-BLOCK_SIZE = 16
+BLOCK_SIZE = 64  # KV block size (tokens): the engine's default, 64 on CPU and 16 on CUDA (set in main)
 MIN_CACHE_BYTES = 256 << 20  # cycle through this much KV (> L3) so every call streams from DRAM
 
 
@@ -334,10 +334,11 @@ CUDA_PREFILL_CASES = [
 CUDA_WRITE_TOKENS = [64, 4096]
 
 
-def _decode_inputs(h, kvh, d, batch, ctx, dtype, device, block_size=BLOCK_SIZE, seed=0):
+def _decode_inputs(h, kvh, d, batch, ctx, dtype, device, block_size=None, seed=0):
     """Device tensors for one decode case: scattered blocks, every sequence at ``ctx``."""
     from pagoda_kernels.attention import AttentionMetadata
 
+    block_size = block_size or BLOCK_SIZE
     g = torch.Generator().manual_seed(seed)
     nb = -(-ctx // block_size)
     num_blocks = batch * nb
@@ -368,9 +369,10 @@ def _torch_decode_on(device, meta, block_size):
     return ref, dmeta
 
 
-def _prefill_inputs(h, kvh, d, chunks, dtype, device, block_size=BLOCK_SIZE, seed=0):
+def _prefill_inputs(h, kvh, d, chunks, dtype, device, block_size=None, seed=0):
     """Device tensors for one prefill step: each sequence's context in scattered blocks, its chunk in
     q/k/v (and, as after the layer's cache write, in the cache too)."""
+    block_size = block_size or BLOCK_SIZE
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in chunks]
     nbs = [-(-n // block_size) for n in seq_lens]
@@ -542,7 +544,10 @@ def main(argv=None):
     p.add_argument("--prefill-baseline", default=None, metavar="MODULE",
                    help="cuda: also time MODULE.prefill_attention (e.g. an older triton_attention.py copied "
                         "into kernels/ as pagoda_kernels.old_attention) for before/after in one run")
+    p.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's, 64 cpu / 16 cuda)")
     args = p.parse_args(argv)
+    global BLOCK_SIZE
+    BLOCK_SIZE = args.block_size or (16 if args.device == "cuda" else 64)
     if args.dtype is None:
         args.dtype = ["bf16"] if args.device == "cuda" else ["bf16", "fp32"]
     if args.device == "cuda":
