@@ -14,7 +14,10 @@ after another, never together; torch's matmul rate is measured before and after 
 shows. Printed: a markdown table (output and total tokens/s, ratio Pagoda / engine, TTFT p50 / p99
 with every request submitted at t0) and the fraction of the machine's arithmetic ceiling each engine
 used: 2 x non-embedding weights per prompt and output token + 2 x LM head per output token + causal
-attention, over the 2048^3 matmul rate of the run's dtype and of the faster dtype.
+attention, over the 2048^3 matmul rate of the run's dtype and of the faster dtype. Below the table:
+the workload's ceiling on this host (every GEMM and the prefill attention at the best 2048^3 rate
+measured, torch.mm's or oneDNN's on a packed weight; decode attention reading its K/V at the
+streaming rate; nothing else costing time) and each engine's share of it.
 
 ``--repeat N`` runs the engine list N times round-robin (pagoda, vllm, pagoda, vllm, ...), so a
 slow spell of the host hits both engines alike; each row of the table then gives the engine's median
@@ -60,6 +63,28 @@ for name in ("float32", "bfloat16"):
     for _ in range(5):
         a @ b
     out[name] = 2 * n ** 3 * 5 / (time.perf_counter() - t) / 1e9
+    # The same product through oneDNN on a weight blocked once (as Pagoda's linear layers run):
+    # faster than torch.mm's MKL in float32 on AMD CPUs, so it is the machine's rate that counts
+    # for the ceiling below.
+    out[name + "_onednn"] = 0.0
+    if n == 2048 and torch.backends.mkldnn.is_available():
+        try:
+            w = torch.ops.mkldnn._reorder_linear_weight(b, n)
+            lin = lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+            lin()
+            t = time.perf_counter()
+            for _ in range(5):
+                lin()
+            out[name + "_onednn"] = 2 * n ** 3 * 5 / (time.perf_counter() - t) / 1e9
+        except (RuntimeError, AttributeError):
+            pass
+# Streaming read rate on all threads: a 512 MB sum (far beyond the last-level cache).
+x = torch.ones(128 << 20)
+x.sum()
+t = time.perf_counter()
+for _ in range(3):
+    x.sum()
+out["stream_gbs"] = 3 * x.numel() * 4 / (time.perf_counter() - t) / 1e9
 print(out)
 """
 
@@ -69,18 +94,40 @@ def matmul_rates() -> dict:
     return eval(out.stdout.strip().splitlines()[-1])  # noqa: S307  (our own subprocess's dict literal)
 
 
+SMOLLM2 = dict(h=576, inter=1536, layers=30, heads=9, kvh=3, d=64, vocab=49152)
+
+
 def model_flops(requests) -> float:
     """The bundled model's arithmetic for the workload (see the module docstring)."""
-    sys.path.insert(0, str(ROOT))
-    h, inter, layers, heads, kvh, d, vocab = 576, 1536, 30, 9, 3, 64, 49152  # SmolLM2-135M
-    weights = layers * (h * (heads + 2 * kvh) * d + heads * d * h + 3 * h * inter)
-    flops = 0.0
+    return sum(workload_costs(requests)[:3])
+
+
+def workload_costs(requests) -> tuple[float, float, float, float]:
+    """(GEMM FLOPs, prefill attention FLOPs, decode attention FLOPs, decode K/V elements read) of
+    the bundled model on the workload: every output token after the first is a decode step that
+    reads the K and V of its whole context in every layer."""
+    m = SMOLLM2
+    h, layers, heads, kvh, d = m["h"], m["layers"], m["heads"], m["kvh"], m["d"]
+    weights = layers * (h * (heads + 2 * kvh) * d + heads * d * h + 3 * h * m["inter"])
+    gemm = pre = dec = kv = 0.0
     for r in requests:
         p, o = len(r["prompt_token_ids"]), r["max_tokens"]
-        flops += 2.0 * weights * (p + o) + 2.0 * vocab * h * o
-        n = p + o  # causal attention: QK^T and PV over the visible keys of every position
-        flops += 4.0 * layers * heads * d * n * (n + 1) / 2
-    return flops
+        gemm += 2.0 * weights * (p + o) + 2.0 * m["vocab"] * h * o
+        # causal attention: QK^T and PV over the visible keys of every position
+        pre += 4.0 * layers * heads * d * p * (p + 1) / 2
+        n = p + o
+        dec += 4.0 * layers * heads * d * (n * (n + 1) / 2 - p * (p + 1) / 2)
+        kv += 2.0 * layers * kvh * d * ((o - 1) * p + (o - 1) * o / 2)  # keys p + 1 .. p + o - 1
+    return gemm, pre, dec, kv
+
+
+def bound_seconds(requests, dtype: str, matmul_gflops: float, stream_gbs: float) -> float:
+    """The run's time if every GEMM and the prefill attention ran at the 2048^3 matmul rate, decode
+    attention read its K/V at the streaming rate (its arithmetic hidden under the reads), and
+    nothing else cost anything: a ceiling no engine of this precision reaches on this host."""
+    gemm, pre, _, kv = workload_costs(requests)
+    elt = 4 if dtype == "float32" else 2
+    return (gemm + pre) / (matmul_gflops * 1e9) + kv * elt / (stream_gbs * 1e9)
 
 
 def run_engine(engine: str, args) -> dict:
@@ -139,7 +186,9 @@ def main() -> int:
         ap.error("--repeat must be >= 1")
 
     before = matmul_rates()
-    print(f"matmul 2048^3 before: fp32 {before['float32']:.0f}, bf16 {before['bfloat16']:.0f} GFLOP/s", flush=True)
+    print(f"matmul 2048^3 before: fp32 {before['float32']:.0f}, bf16 {before['bfloat16']:.0f} GFLOP/s "
+          f"(oneDNN packed: fp32 {before['float32_onednn']:.0f}, bf16 {before['bfloat16_onednn']:.0f}); "
+          f"streaming read {before['stream_gbs']:.1f} GB/s", flush=True)
     runs: dict[str, list[dict]] = {}
     for _ in range(args.repeat):
         for engine in args.engines.split(","):
@@ -161,9 +210,11 @@ def main() -> int:
         r["runs_tok_s"] = [x["output_tokens"] / x["elapsed"] for x in rs]
         results.append(r)
     after = matmul_rates()
-    print(f"matmul 2048^3 after: fp32 {after['float32']:.0f}, bf16 {after['bfloat16']:.0f} GFLOP/s")
+    print(f"matmul 2048^3 after: fp32 {after['float32']:.0f}, bf16 {after['bfloat16']:.0f} GFLOP/s "
+          f"(oneDNN packed: fp32 {after['float32_onednn']:.0f}, bf16 {after['bfloat16_onednn']:.0f}); "
+          f"streaming read {after['stream_gbs']:.1f} GB/s")
     rate = {k: (before[k] + after[k]) / 2 for k in before}
-    best = max(rate.values())
+    best = max(rate["float32"], rate["bfloat16"])
 
     pagoda = next((r for r in results if r["engine"].startswith("pagoda")), None)
     print(f"\n{args.dtype}; matmul rate (mean of before/after) {rate[args.dtype]:.0f} GFLOP/s in {args.dtype}, "
@@ -187,6 +238,20 @@ def main() -> int:
         print(f"| {r['engine']} | {r['workload']} | {out_rate:.1f} | {(r['output_tokens'] + prompt) / r['elapsed']:.1f} "
               f"| {ratio} | {ttft} | {100 * gflops / rate[args.dtype]:.0f}% | {100 * gflops / best:.0f}% |"
               + (f" {', '.join(f'{x:.1f}' for x in r['runs_tok_s'])} |" if runs_col else ""))
+    # The ceiling: bf16 may multiply in fp32 where that is faster (as Pagoda does on CPUs without
+    # bf16 instructions, exactly); fp32 only in fp32.
+    stream = (before["stream_gbs"] + after["stream_gbs"]) / 2
+    fastest = {k: max(rate[k], rate[k + "_onednn"]) for k in ("float32", "bfloat16")}
+    usable = max(fastest.values()) if args.dtype == "bfloat16" else fastest["float32"]
+    wl = load_workload(args.workload)
+    bound = bound_seconds(wl, args.dtype, usable, stream)
+    out_tokens = sum(r["max_tokens"] for r in wl)
+    print(f"\nceiling for {args.workload} on this host: {bound:.1f} s = {out_tokens / bound:.0f} output tok/s "
+          f"(GEMMs and prefill attention at {usable:.0f} GFLOP/s, the faster of torch.mm and oneDNN on a "
+          f"packed weight; decode attention's K/V reads at the "
+          f"{stream:.1f} GB/s streaming rate, nothing else); "
+          + "; ".join(f"{r['engine']} at {100 * bound / r['elapsed']:.0f}% of it" for r in results
+                      if r["workload"] == args.workload))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"dtype": args.dtype, "matmul_before": before, "matmul_after": after, "results": results, "runs": runs}, f,
