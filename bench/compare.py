@@ -104,8 +104,8 @@ def model_flops(requests) -> float:
 
 def workload_costs(requests) -> tuple[float, float, float, float]:
     """(GEMM FLOPs, prefill attention FLOPs, decode attention FLOPs, decode K/V elements read) of
-    the bundled model on the workload: every output token after the first is a decode step that
-    reads the K and V of its whole context in every layer."""
+    the bundled model on the workload: every output token after the first comes from a decode step
+    that reads the K and V of its whole context, its own token's included, in every layer."""
     m = SMOLLM2
     h, layers, heads, kvh, d = m["h"], m["layers"], m["heads"], m["kvh"], m["d"]
     weights = layers * (h * (heads + 2 * kvh) * d + heads * d * h + 3 * h * m["inter"])
@@ -122,9 +122,9 @@ def workload_costs(requests) -> tuple[float, float, float, float]:
 
 
 def bound_seconds(requests, dtype: str, matmul_gflops: float, stream_gbs: float) -> float:
-    """The run's time if every GEMM and the prefill attention ran at the 2048^3 matmul rate, decode
-    attention read its K/V at the streaming rate (its arithmetic hidden under the reads), and
-    nothing else cost anything: a ceiling no engine of this precision reaches on this host."""
+    """The run's time if every GEMM and the prefill attention ran at ``matmul_gflops``, decode
+    attention read its K/V at ``stream_gbs`` (its arithmetic hidden under the reads), and nothing
+    else cost anything: the ceiling of an engine of this precision on this host."""
     gemm, pre, _, kv = workload_costs(requests)
     elt = 4 if dtype == "float32" else 2
     return (gemm + pre) / (matmul_gflops * 1e9) + kv * elt / (stream_gbs * 1e9)

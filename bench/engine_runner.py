@@ -1,12 +1,15 @@
 """Run one engine on the shared workload and print its figures as one JSON line.
 
-    <venv>/bin/python bench/engine_runner.py --engine pagoda|vllm --dtype bfloat16 --workload W
+    <venv>/bin/python bench/engine_runner.py --engine pagoda|vllm|hf-single|hf-static|hf-cb|llamacpp \
+        --dtype bfloat16 --workload W
 
 Runs inside the engine's own virtualenv (vLLM pins its own transformers, so it cannot share
-Pagoda's; llama-cpp-python is built from source in its own), started by bench/compare.py. Both engines are driven the same way: every request is
-added at t0, then the engine's step loop runs to completion; the wall clock at the step that
-returns a request's first token is its TTFT. Model loading and warm-up (vLLM compiles at start-up)
-are excluded. Pure standard library plus the engine, so it imports in any of the venvs.
+Pagoda's; llama-cpp-python is built from source in its own), started by bench/compare.py. Pagoda
+and vLLM are driven the same way: every request is added at t0, then the engine's step loop runs
+to completion; the wall clock at the step that returns a request's first token is its TTFT. The
+transformers and llama.cpp baselines run their own generation calls to completion (no TTFT is
+recorded for them). Model loading and warm-up (vLLM compiles at start-up) are excluded.
+Pure standard library plus the engine, so it imports in any of the venvs.
 """
 from __future__ import annotations
 
