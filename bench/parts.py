@@ -1,0 +1,94 @@
+"""Where a run's time goes: each part of Pagoda's forward timed inside a real run of the workload.
+
+    python bench/parts.py --dtype bfloat16 [--workload W]
+
+Wraps the callables of one engine's step with wall-clock timers (the linear layers, the LM head,
+decode / prefill attention, the KV write, the fused layer ops, the model forward, the runner's
+step and the scheduler), adds every request of the workload at t0 as bench/engine_runner.py does,
+and steps to completion. Prints the run's output tokens/s and each part's seconds, share of the
+run and call count. The timers cost a few microseconds per call (~1% of a W run), so compare
+parts within one run, and speeds between runs with bench/compare.py. The same split is what
+bench/RESULTS.md reports per host.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from engine_runner import load_workload  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--workload", default="W", choices=["W", "W-small"])
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    args = ap.parse_args()
+
+    import engine_service.models.llama as llama
+    from engine_service import LLM, SamplingParams
+
+    requests = load_workload(args.workload)
+    engine = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs).llm_engine
+    runner = engine.runner
+    seconds: dict[str, float] = collections.defaultdict(float)
+    calls: dict[str, int] = collections.defaultdict(int)
+
+    def timed(fn, label):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                seconds[label] += time.perf_counter() - t
+                calls[label] += 1
+        return wrapper
+
+    # The model calls the module-level linear (every projection and the LM head).
+    llama.linear = timed(llama.linear, "linear (layers + LM head)")
+    for name in ("decode", "prefill", "write_kv"):
+        setattr(runner.attn, name, timed(getattr(runner.attn, name), f"attention.{name}"))
+    for name in ("rms_norm", "rotary", "silu_and_mul"):
+        if hasattr(runner.layer_ops, name):
+            setattr(runner.layer_ops, name, timed(getattr(runner.layer_ops, name), f"layer_ops.{name}"))
+    runner.model.compute_logits = timed(runner.model.compute_logits, "LM head (compute_logits)")
+    runner.model.forward = timed(runner.model.forward, "model forward")
+    runner.execute = timed(runner.execute, "runner.execute")
+    engine.scheduler.schedule = timed(engine.scheduler.schedule, "scheduler.schedule")
+
+    # Warm-up outside the timed run (builds the C++ kernels, faults in the KV pages).
+    engine.add_request("warmup", {"prompt_token_ids": requests[0]["prompt_token_ids"]},
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    seconds.clear()
+    calls.clear()
+
+    for r in requests:
+        engine.add_request(str(r["id"]), {"prompt_token_ids": r["prompt_token_ids"]},
+                           SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    elapsed = time.perf_counter() - t0
+    out_tokens = sum(r["max_tokens"] for r in requests)
+    print(f"{args.dtype} {args.workload}: {elapsed:.1f} s, {out_tokens / elapsed:.1f} output tok/s, {steps} steps")
+    print("| part | s | share of run | calls |\n|---|---|---|---|")
+    for label, s in sorted(seconds.items(), key=lambda x: -x[1]):
+        print(f"| {label} | {s:.2f} | {100 * s / elapsed:.1f}% | {calls[label]} |")
+    print("(model forward contains linear, attention and layer_ops; runner.execute contains the forward, "
+          "the LM head and sampling; the LM head's GEMM is also in linear)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
