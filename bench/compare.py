@@ -97,6 +97,12 @@ def matmul_rates() -> dict:
 SMOLLM2 = dict(h=576, inter=1536, layers=30, heads=9, kvh=3, d=64, vocab=49152)
 
 
+def show_rates(when: str, r: dict) -> None:
+    print(f"matmul 2048^3 {when}: fp32 {r['float32']:.0f}, bf16 {r['bfloat16']:.0f} GFLOP/s (oneDNN packed: "
+          f"fp32 {r['float32_onednn']:.0f}, bf16 {r['bfloat16_onednn']:.0f}); streaming read {r['stream_gbs']:.1f} GB/s",
+          flush=True)
+
+
 def model_flops(requests) -> float:
     """The bundled model's arithmetic for the workload (see the module docstring)."""
     return sum(workload_costs(requests)[:3])
@@ -186,9 +192,7 @@ def main() -> int:
         ap.error("--repeat must be >= 1")
 
     before = matmul_rates()
-    print(f"matmul 2048^3 before: fp32 {before['float32']:.0f}, bf16 {before['bfloat16']:.0f} GFLOP/s "
-          f"(oneDNN packed: fp32 {before['float32_onednn']:.0f}, bf16 {before['bfloat16_onednn']:.0f}); "
-          f"streaming read {before['stream_gbs']:.1f} GB/s", flush=True)
+    show_rates("before", before)
     runs: dict[str, list[dict]] = {}
     for _ in range(args.repeat):
         for engine in args.engines.split(","):
@@ -210,9 +214,7 @@ def main() -> int:
         r["runs_tok_s"] = [x["output_tokens"] / x["elapsed"] for x in rs]
         results.append(r)
     after = matmul_rates()
-    print(f"matmul 2048^3 after: fp32 {after['float32']:.0f}, bf16 {after['bfloat16']:.0f} GFLOP/s "
-          f"(oneDNN packed: fp32 {after['float32_onednn']:.0f}, bf16 {after['bfloat16_onednn']:.0f}); "
-          f"streaming read {after['stream_gbs']:.1f} GB/s")
+    show_rates("after", after)
     rate = {k: (before[k] + after[k]) / 2 for k in before}
     best = max(rate["float32"], rate["bfloat16"])
 
@@ -240,7 +242,7 @@ def main() -> int:
               + (f" {', '.join(f'{x:.1f}' for x in r['runs_tok_s'])} |" if runs_col else ""))
     # The ceiling: bf16 may multiply in fp32 where that is faster (as Pagoda does on CPUs without
     # bf16 instructions, exactly); fp32 only in fp32.
-    stream = (before["stream_gbs"] + after["stream_gbs"]) / 2
+    stream = rate["stream_gbs"]
     fastest = {k: max(rate[k], rate[k + "_onednn"]) for k in ("float32", "bfloat16")}
     usable = max(fastest.values()) if args.dtype == "bfloat16" else fastest["float32"]
     wl = load_workload(args.workload)

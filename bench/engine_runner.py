@@ -57,6 +57,17 @@ def drive(engine, add, requests) -> dict:
             "ttft_mean": sum(ttft) / len(ttft)}
 
 
+def warm_up_pagoda(engine, requests) -> None:
+    """One short request outside the timed region (builds the C++ kernels on first use, faults in
+    the KV pages)."""
+    from engine_service import SamplingParams
+
+    engine.add_request("warmup", {"prompt_token_ids": requests[0]["prompt_token_ids"]},
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def run_pagoda(args, requests) -> dict:
     sys.path.insert(0, str(ROOT))
     from engine_service import LLM, SamplingParams
@@ -73,11 +84,7 @@ def run_pagoda(args, requests) -> dict:
                            SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True,
                                           detokenize=args.detokenize))
 
-    # Warm-up outside the timed region (builds the C++ kernel on first use, faults in the KV pages).
-    engine.add_request("warmup", {"prompt_token_ids": requests[0]["prompt_token_ids"]},
-                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+    warm_up_pagoda(engine, requests)
     res = drive(engine, add, requests)
     res["engine"] = f"pagoda (matmul {str(llm.llm_engine.runner.matmul_dtype).removeprefix('torch.')})"
     res["preemptions"] = engine.scheduler.num_preemptions

@@ -546,6 +546,8 @@ def main(argv=None):
                         "into kernels/ as pagoda_kernels.old_attention) for before/after in one run")
     p.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's, 64 cpu / 16 cuda)")
     args = p.parse_args(argv)
+    if args.block_size is not None and args.block_size < 1:
+        p.error(f"--block-size must be >= 1, got {args.block_size}")
     global BLOCK_SIZE
     BLOCK_SIZE = args.block_size or (16 if args.device == "cuda" else 64)
     if args.dtype is None:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_runner import load_workload  # noqa: E402
+from engine_runner import drive, load_workload, warm_up_pagoda  # noqa: E402
 
 
 def main() -> int:
@@ -63,23 +63,16 @@ def main() -> int:
     runner.execute = timed(runner.execute, "runner.execute")
     engine.scheduler.schedule = timed(engine.scheduler.schedule, "scheduler.schedule")
 
-    # Warm-up outside the timed run (builds the C++ kernels, faults in the KV pages).
-    engine.add_request("warmup", {"prompt_token_ids": requests[0]["prompt_token_ids"]},
-                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+    warm_up_pagoda(engine, requests)
     seconds.clear()
     calls.clear()
 
-    for r in requests:
+    def add(r):
         engine.add_request(str(r["id"]), {"prompt_token_ids": r["prompt_token_ids"]},
                            SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
-    t0 = time.perf_counter()
-    steps = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    elapsed = time.perf_counter() - t0
+
+    res = drive(engine, add, requests)
+    elapsed, steps = res["elapsed"], res["steps"]
     out_tokens = sum(r["max_tokens"] for r in requests)
     print(f"{args.dtype} {args.workload}: {elapsed:.1f} s, {out_tokens / elapsed:.1f} output tok/s, {steps} steps")
     print("| part | s | share of run | calls |\n|---|---|---|---|")
