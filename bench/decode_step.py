@@ -1,0 +1,118 @@
+"""One decode-only step of Pagoda, taken apart: each GEMM shape's rate inside the engine.
+
+    python bench/decode_step.py [--requests 256] [--steps 30] [--dtype bfloat16] [--again]
+
+Adds the first --requests prompts of W (each with room for 400 new tokens), steps until every one
+of them has its first token, then times --steps decode-only steps (batch = --requests rows). Prints
+the step's median and mean time, decode attention's and the KV write's share, and for every GEMM
+shape (N x K of the weight) its milliseconds per step and GFLOP/s. With --again each GEMM runs a
+second time straight after the first, on the same input and weight (its result discarded, its time
+listed apart; the step times then include the repeats): the gap between the two is what the state
+left by the preceding op costs the GEMM (bench/RESULTS.md, tenth session). bench/parts.py gives the same split over a whole W run.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from engine_runner import load_workload, warm_up_pagoda  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=256, help="decode batch size (first N requests of W)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--again", action="store_true", help="time every GEMM a second time, straight after the first")
+    args = ap.parse_args()
+    if not 1 <= args.requests <= 256:
+        ap.error("--requests must be in 1..256 (W has 256 requests)")
+    if args.steps < 1:
+        ap.error("--steps must be >= 1")
+
+    import engine_service.models.llama as llama
+    from engine_service import LLM, SamplingParams
+
+    requests = load_workload("W")[:args.requests]
+    engine = LLM(dtype=args.dtype, max_num_seqs=256).llm_engine
+    warm_up_pagoda(engine, requests)
+    seconds: dict = collections.defaultdict(float)
+    rows: dict = collections.defaultdict(int)
+
+    linear = llama.linear
+
+    def timed_linear(x, weight, bias=None, packed=False):
+        t = time.perf_counter()
+        y = linear(x, weight, bias, packed)
+        key = (y.shape[-1], x.shape[-1])
+        seconds[key] += time.perf_counter() - t
+        rows[key] += x.shape[0]
+        if args.again:
+            t = time.perf_counter()
+            linear(x, weight, bias, packed)
+            seconds[("again", *key)] += time.perf_counter() - t
+        return y
+
+    llama.linear = timed_linear
+    attn = engine.runner.attn
+    for name in ("decode", "write_kv"):
+        fn = getattr(attn, name)
+
+        def timed(*a, _fn=fn, _name=name, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                seconds[_name] += time.perf_counter() - t
+
+        setattr(attn, name, timed)
+
+    for r in requests:
+        engine.add_request(str(r["id"]), {"prompt_token_ids": r["prompt_token_ids"]},
+                           SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+    started: set[str] = set()
+    prefill_steps = 0
+    while len(started) < len(requests):
+        for o in engine.step():
+            if o.outputs and len(o.outputs[0].token_ids):
+                started.add(o.request_id)
+        prefill_steps += 1
+    for _ in range(2):  # the first decode-only steps build oneDNN primitives for the new row count
+        engine.step()
+    seconds.clear()
+    rows.clear()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+
+    n = args.steps
+    ms = lambda s: 1e3 * s / n  # noqa: E731
+    print(f"{args.dtype}, {args.requests} sequences decoding (after {prefill_steps} steps to start them all): "
+          f"step median {1e3 * statistics.median(times):.1f} ms, mean {1e3 * sum(times) / n:.1f} ms")
+    gemm = sum(s for k, s in seconds.items() if isinstance(k, tuple) and k[0] != "again")
+    print("| part | ms per step | GFLOP/s |" + (" again: ms per step |" if args.again else "")
+          + "\n|---|---|---|" + ("---|" if args.again else ""))
+    for key in ("decode", "write_kv"):
+        print(f"| attention.{key} | {ms(seconds[key]):.2f} | |" + (" |" if args.again else ""))
+    print(f"| all GEMMs | {ms(gemm):.2f} | |" + (" |" if args.again else ""))
+    for key, s in sorted(((k, s) for k, s in seconds.items() if isinstance(k, tuple) and k[0] != "again"),
+                         key=lambda x: -x[1]):
+        out_f, in_f = key
+        rate = 2 * out_f * in_f * rows[key] / s / 1e9
+        again = f" {ms(seconds[('again', *key)]):.2f} |" if args.again else ""
+        print(f"| linear {out_f} x {in_f} | {ms(s):.2f} | {rate:.0f} |{again}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
