@@ -11,13 +11,14 @@ bench/setup_baselines.sh: vLLM pins its own transformers), llama.cpp in $PAGODA_
 (default /work/baselines/llamacpp; llama-cpp-python on the original Q4_1 GGUF: its weights and
 arithmetic are 4-bit, so its row is a different precision and its ratio says so). Engines run one
 after another, never together; torch's matmul rate is measured before and after them (the better of
-the two counts), so host noise shows. Printed: a markdown table (output and total tokens/s, ratio Pagoda / engine, TTFT p50 / p99
-with every request submitted at t0) and the fraction of the machine's arithmetic ceiling each engine
-used: 2 x non-embedding weights per prompt and output token + 2 x LM head per output token + causal
-attention, over the 2048^3 matmul rate of the run's dtype and of the faster dtype. Below the table:
-the workload's ceiling on this host (every GEMM and the prefill attention at the best 2048^3 rate
-measured, torch.mm's or oneDNN's on a packed weight; decode attention reading its K/V at the
-streaming rate; nothing else costing time) and each engine's share of it.
+the two counts), so host noise shows. Printed: a markdown table (output and total tokens/s, ratio
+Pagoda / engine, TTFT p50 / p99 with every request submitted at t0) and the fraction of the
+machine's arithmetic ceiling each engine used: 2 x non-embedding weights per prompt and output
+token + 2 x LM head per output token + causal attention, over the 2048^3 matmul rate of the run's
+dtype and of the faster dtype. Below the table: the workload's ceiling on this host (every GEMM and
+the prefill attention at the best 2048^3 rate measured, torch.mm's or oneDNN's on a packed weight;
+decode attention reading its K/V at the streaming rate; nothing else costing time) and each
+engine's share of it.
 
 ``--repeat N`` runs the engine list N times round-robin (pagoda, vllm, pagoda, vllm, ...), so a
 slow spell of the host hits both engines alike; each row of the table then gives the engine's median
@@ -65,7 +66,7 @@ out = {}
 for name in ("float32", "bfloat16"):
     dt = getattr(torch, name)
     # 2048^3, unless the dtype is so slow here (bf16 on a CPU without bf16 instructions: torch's
-    # reference GEMM, ~1 GFLOP/s) that the fifteen of three trials would take minutes: then 512^3.
+    # reference GEMM, ~1 GFLOP/s) that three trials of five would take minutes: then 512^3.
     a, b = torch.randn(512, 512, dtype=dt), torch.randn(512, 512, dtype=dt)
     a @ b
     t = time.perf_counter()

@@ -8,7 +8,8 @@ the step's median and mean time, decode attention's and the KV write's share, an
 shape (N x K of the weight) its milliseconds per step and GFLOP/s. With --again each GEMM runs a
 second time straight after the first, on the same input and weight (its result discarded, its time
 listed apart; the step times then include the repeats): the gap between the two is what the state
-left by the preceding op costs the GEMM (bench/RESULTS.md, tenth session). bench/parts.py gives the same split over a whole W run.
+left by the preceding op costs the GEMM (bench/RESULTS.md, tenth session). bench/parts.py gives
+the same split over a whole W run.
 """
 from __future__ import annotations
 
