@@ -45,8 +45,10 @@ def main() -> int:
     requests = load_workload("W")[:args.requests]
     engine = LLM(dtype=args.dtype, max_num_seqs=256).llm_engine
     warm_up_pagoda(engine, requests)
-    seconds: dict = collections.defaultdict(float)
-    rows: dict = collections.defaultdict(int)
+    seconds: dict[str, float] = collections.defaultdict(float)       # decode, write_kv
+    gemm: dict[tuple[int, int], float] = collections.defaultdict(float)  # (N, K) -> s
+    again: dict[tuple[int, int], float] = collections.defaultdict(float)
+    rows: dict[tuple[int, int], int] = collections.defaultdict(int)
 
     linear = llama.linear
 
@@ -54,12 +56,12 @@ def main() -> int:
         t = time.perf_counter()
         y = linear(x, weight, bias, packed)
         key = (y.shape[-1], x.shape[-1])
-        seconds[key] += time.perf_counter() - t
+        gemm[key] += time.perf_counter() - t
         rows[key] += x.shape[0]
         if args.again:
             t = time.perf_counter()
             linear(x, weight, bias, packed)
-            seconds[("again", *key)] += time.perf_counter() - t
+            again[key] += time.perf_counter() - t
         return y
 
     llama.linear = timed_linear
@@ -88,8 +90,8 @@ def main() -> int:
         prefill_steps += 1
     for _ in range(2):  # the first decode-only steps build oneDNN primitives for the new row count
         engine.step()
-    seconds.clear()
-    rows.clear()
+    for d in (seconds, gemm, again, rows):
+        d.clear()
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
@@ -100,18 +102,15 @@ def main() -> int:
     ms = lambda s: 1e3 * s / n  # noqa: E731
     print(f"{args.dtype}, {args.requests} sequences decoding (after {prefill_steps} steps to start them all): "
           f"step median {1e3 * statistics.median(times):.1f} ms, mean {1e3 * sum(times) / n:.1f} ms")
-    gemm = sum(s for k, s in seconds.items() if isinstance(k, tuple) and k[0] != "again")
     print("| part | ms per step | GFLOP/s |" + (" again: ms per step |" if args.again else "")
           + "\n|---|---|---|" + ("---|" if args.again else ""))
     for key in ("decode", "write_kv"):
         print(f"| attention.{key} | {ms(seconds[key]):.2f} | |" + (" |" if args.again else ""))
-    print(f"| all GEMMs | {ms(gemm):.2f} | |" + (" |" if args.again else ""))
-    for key, s in sorted(((k, s) for k, s in seconds.items() if isinstance(k, tuple) and k[0] != "again"),
-                         key=lambda x: -x[1]):
-        out_f, in_f = key
-        rate = 2 * out_f * in_f * rows[key] / s / 1e9
-        again = f" {ms(seconds[('again', *key)]):.2f} |" if args.again else ""
-        print(f"| linear {out_f} x {in_f} | {ms(s):.2f} | {rate:.0f} |{again}")
+    print(f"| all GEMMs | {ms(sum(gemm.values())):.2f} | |" + (" |" if args.again else ""))
+    for (out_f, in_f), s in sorted(gemm.items(), key=lambda x: -x[1]):
+        rate = 2 * out_f * in_f * rows[(out_f, in_f)] / s / 1e9
+        repeat = f" {ms(again[(out_f, in_f)]):.2f} |" if args.again else ""
+        print(f"| linear {out_f} x {in_f} | {ms(s):.2f} | {rate:.0f} |{repeat}")
     return 0
 
 
