@@ -104,7 +104,8 @@ class BlockManager:
         have = len(seq.block_table) + len(computed)
         num_computed = seq.num_computed_tokens + len(computed) * self.block_size
         need = max(0, self.blocks_for(num_computed + num_new_tokens) - have)
-        if num_new_tokens and num_computed % self.block_size and self.blocks[seq.block_table[-1]].ref_count > 1:
+        if (num_new_tokens and num_computed % self.block_size
+                and self.blocks[seq.block_table[num_computed // self.block_size]].ref_count > 1):
             need += 1  # copy-on-write of the shared partial last block
         # Cached-but-free blocks we revive leave the free pool too.
         return need + sum(1 for b in computed if self.blocks[b].ref_count == 0)
@@ -141,17 +142,21 @@ class BlockManager:
         copies = []
         bs = self.block_size
         if num_new_tokens and seq.num_computed_tokens % bs:
-            last = self.blocks[seq.block_table[-1]]
+            # The partly written block (not always the last one: a rejected speculative draft can
+            # leave a block beyond it) is copied before it is written if someone else shares it.
+            i = seq.num_computed_tokens // bs
+            last = self.blocks[seq.block_table[i]]
             if last.ref_count > 1:
                 new_id = self._take_free_block()
                 last.ref_count -= 1
-                seq.block_table[-1] = new_id
+                seq.block_table[i] = new_id
                 copies.append((last.block_id, new_id))
         total = seq.num_computed_tokens + num_new_tokens
         for _ in range(self.blocks_for(total) - len(seq.block_table)):
             seq.block_table.append(self._take_free_block())
         if self.enable_prefix_caching:
-            self._register_full_blocks(seq, total)
+            # Only blocks of the sequence's own tokens: speculative drafts beyond them may be rejected.
+            self._register_full_blocks(seq, min(total, seq.num_tokens))
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -56,6 +56,16 @@ class EngineConfig:
     # workload the first-touch faults cost ~4 s of a 54 s run (bench/RESULTS.md). Costs ~1 s per GiB
     # of KV budget at start-up and commits that memory at once.
     kv_cache_prefault: bool = True
+    # Speculative decoding by prompt lookup (vLLM's "ngram" method): a greedy request's next
+    # tokens are guessed by finding its last prompt_lookup_max .. prompt_lookup_min tokens earlier
+    # in its own prompt + output and proposing up to num_speculative_tokens tokens that followed;
+    # one forward pass verifies them, and the longest prefix the model agrees with is kept (greedy
+    # output is unchanged). 0 turns it off. It pays where outputs copy from their context (and in
+    # small batches, where a step is bound by reading weights and KV); in a large compute-bound
+    # batch every rejected guess costs a token's arithmetic.
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
 
     # Derived by finalize().
     num_kv_blocks: int = 0
@@ -83,6 +93,11 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.matmul_dtype != "auto" and self.matmul_dtype not in _DTYPES:
             raise ValueError(f"matmul_dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.matmul_dtype!r}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.attention_backend not in ("cpu", "torch", "triton", "auto"):
             raise ValueError(f"attention_backend must be 'cpu', 'torch', 'triton' or 'auto', "
                              f"got {self.attention_backend!r}")

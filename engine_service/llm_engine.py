@@ -1,7 +1,8 @@
 """The step-level engine: ``add_request`` / ``abort_request`` / ``step``.
 
 One ``step()`` schedules a batch, runs one forward, samples, detokenizes, applies stop
-conditions and returns a ``RequestOutput`` for every request that advanced. The offline ``LLM``
+conditions and returns a ``RequestOutput`` for every request that advanced (by one token, or by
+several where a speculative draft was accepted). The offline ``LLM``
 and the gRPC engine service both drive exactly this loop; the engine is not thread-safe, its
 caller owns it from one thread.
 """
@@ -23,6 +24,7 @@ from engine_service.sampler import SamplerOutput, make_generator
 from engine_service.sampling_params import SamplingParams
 from engine_service.scheduler import Scheduler
 from engine_service.sequence import Request, RequestMetrics, Sequence, SequenceStatus
+from engine_service.spec_decode import accept
 
 logger = logging.getLogger("pagoda.engine")
 
@@ -153,7 +155,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             request.metrics.finished_time = time.time()
-            outputs.append(self._make_output(request, set()))
+            outputs.append(self._make_output(request, {}))
         return outputs
 
     def _pop_request(self, request_id: str) -> Request | None:
@@ -192,7 +194,8 @@ class LLMEngine:
         sampled, sampler_out = self.runner.execute(
             out, forks, self._structured_output if self.num_structured_requests else None)
         for seq, n in zip(out.seqs, out.num_new_tokens):
-            seq.num_computed_tokens += n
+            # A draft's positions count as computed once accepted (in _process).
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)
         if sampler_out is None:
             return []
         return self._process(sampled, sampler_out)
@@ -211,29 +214,57 @@ class LLMEngine:
         now = time.time()
         token_ids = so.sampled_token_ids.tolist()
         logprob_rows = self._logprob_rows(sampled, so, token_ids)
-        touched: dict[str, set[int]] = {}
-        for row, (seq, token) in enumerate(zip(sampled, token_ids)):
-            request = seq.request
-            seq.token_ids.append(token)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            if logprob_rows is not None and seq.logprobs is not None:
-                seq.cumulative_logprob += logprob_rows[row][0]
-                seq.logprobs.append(logprob_rows[row][1])
-            status = self._check_stop(seq, token)
-            if seq.grammar is not None and self._advance_grammar(seq, token) and status is None:
-                status = SequenceStatus.FINISHED_STOPPED
-            if status is not None:
-                self.scheduler.finish(seq, status)
-            touched.setdefault(request.request_id, set()).add(seq.seq_id)
+        touched: dict[str, dict[int, int]] = {}  # request id -> {seq id: tokens appended this step}
+        row = 0
+        while row < len(sampled):
+            seq = sampled[row]
+            draft = seq.spec_token_ids
+            lp = None
+            if draft:
+                # Rows row .. row + len(draft) verify the draft: keep the model's tokens up to and
+                # including the first disagreement; the accepted draft positions' KV is valid.
+                kept = accept(draft, token_ids[row:row + len(draft) + 1])
+                self.scheduler.num_draft_tokens += len(draft)
+                self.scheduler.num_accepted_tokens += len(kept) - 1
+                seq.num_computed_tokens += len(kept) - 1
+                seq.spec_token_ids = []
+                row += len(draft) + 1
+            else:
+                kept = [token_ids[row]]
+                lp = logprob_rows[row] if logprob_rows is not None else None
+                row += 1
+            n = 0
+            for token in kept:  # stop at the first token that finishes the sequence
+                n += 1
+                if self._append_token(seq, token, lp, now):
+                    break
+            stepped = touched.setdefault(seq.request.request_id, {})
+            stepped[seq.seq_id] = stepped.get(seq.seq_id, 0) + n
         outputs = []
-        for rid, seq_ids in touched.items():
+        for rid, stepped in touched.items():
             request = self.requests[rid]
             if request.is_finished:
                 request.metrics.finished_time = now
                 self._pop_request(rid)
-            outputs.append(self._make_output(request, seq_ids))
+            outputs.append(self._make_output(request, stepped))
         return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob_row, now: float) -> bool:
+        """Append one sampled token to ``seq`` and apply the stop rules; True when it finished."""
+        request = seq.request
+        seq.token_ids.append(token)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        if logprob_row is not None and seq.logprobs is not None:
+            seq.cumulative_logprob += logprob_row[0]
+            seq.logprobs.append(logprob_row[1])
+        status = self._check_stop(seq, token)
+        if seq.grammar is not None and self._advance_grammar(seq, token) and status is None:
+            status = SequenceStatus.FINISHED_STOPPED
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            return True
+        return False
 
     def _logprob_rows(self, sampled: list[Sequence], so: SamplerOutput, token_ids: list[int]):
         """Per row: (sampled token's logprob, {token id: Logprob} with the top-k and the sampled token)."""
@@ -286,13 +317,13 @@ class LLMEngine:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def _make_output(self, request: Request, stepped: set[int]) -> RequestOutput:
+    def _make_output(self, request: Request, stepped: dict[int, int]) -> RequestOutput:
         completions = []
         for seq in sorted(request.seqs, key=lambda s: s.index):
             finished = seq.is_finished
             det = seq.detokenizer
             delta_text = det.get_delta(finished) if det is not None else ""
-            new = 1 if seq.seq_id in stepped else 0
+            new = stepped.get(seq.seq_id, 0)
             out_ids = seq.token_ids[seq.num_prompt_tokens:]
             completions.append(CompletionOutput(
                 index=seq.index,

@@ -92,10 +92,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, forks: dict[int, list[Sequence]],
                 structured_output=None) -> tuple[list[Sequence], SamplerOutput | None]:
-        """Run one step. Returns the sequences that got a new token (in row order) and the
-        sampler's output. ``forks`` maps a parent seq_id to the children that sample from the
-        parent's logits row this step (``n > 1``). ``structured_output`` (a
-        ``StructuredOutputManager``) is passed only while some live request is constrained."""
+        """Run one step. Returns the sequences that got a new token (in row order; a sequence with
+        a speculative draft once per verified position, in consecutive rows) and the sampler's
+        output. ``forks`` maps a parent seq_id to the children that sample from the parent's logits
+        row this step (``n > 1``). ``structured_output`` (a ``StructuredOutputManager``) is passed
+        only while some live request is constrained."""
         self._move_blocks(out)
         if not out.seqs:
             return [], None
@@ -109,6 +110,7 @@ class ModelRunner:
         input_ids: list[int] = [s.token_ids[st] for s, st in zip(seqs[:num_decodes], starts)]
         for s, st, n in zip(seqs[num_decodes:], starts[num_decodes:], num_new[num_decodes:]):
             input_ids.extend(s.token_ids[st:st + n])
+            input_ids.extend(s.spec_token_ids)  # a decode's speculative draft (a prefill has none)
 
         b = len(seqs)
         num_new_t = torch.tensor(num_new)
@@ -151,10 +153,14 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, device=self.device), positions.to(self.device),
                             self.kv_caches, meta, self.attn, self.layer_ops)
 
-        # Only sequences whose pending tokens are now all computed sample a token.
+        # Only sequences whose pending tokens are now all computed sample a token; a decode with a
+        # speculative draft samples at each of its 1 + len(draft) positions (consecutive rows).
         rows, sampled = [], []
         for i, s in enumerate(seqs):
-            if starts[i] + num_new[i] == s.num_tokens:
+            if s.spec_token_ids:
+                rows.extend(range(int(cu[i]), int(cu[i + 1])))
+                sampled.extend([s] * num_new[i])
+            elif starts[i] + num_new[i] == s.num_tokens:
                 last = int(cu[i + 1]) - 1
                 for target in (s, *forks.get(s.seq_id, ())):
                     rows.append(last)

@@ -3,8 +3,11 @@
 Every step is one batch under one token budget (``max_num_batched_tokens``) and one sequence
 budget (``max_num_seqs``): running decodes first, then running prefills that are mid-chunk, then
 waiting sequences FCFS, chunked to fit. When blocks run out the most recently admitted sequence
-is preempted (recompute, or swap to host memory) and put back at the front of the queue. The
-scheduler never touches tensors: it returns a plain ``SchedulerOutput``.
+is preempted (recompute, or swap to host memory) and put back at the front of the queue. With
+speculative decoding on, a decode also carries the draft tokens the proposer guessed for it
+(``seq.spec_token_ids``: more query tokens, the same one sequence), as far as the token budget
+and free blocks allow; drafts are dropped before anything is preempted for them. The scheduler
+never touches tensors: it returns a plain ``SchedulerOutput``.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from engine_service.block_manager import BlockManager
 from engine_service.config import EngineConfig
 from engine_service.sequence import Sequence, SequenceStatus
+from engine_service.spec_decode import NgramProposer
 
 
 @dataclass
@@ -49,6 +53,10 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self._admissions = itertools.count()
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # speculative draft tokens verified, and how many were accepted (counted
+        self.num_accepted_tokens = 0  # by the engine, which verifies them)
+        self.proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                       config.prompt_lookup_max) if config.num_speculative_tokens else None)
         # Tokens the waiting queue still has to compute (waiting sequences hold no KV), kept as
         # the queue changes so a load report never walks the queue.
         self._num_waiting_tokens = 0
@@ -103,7 +111,14 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while (copies := bm.allocate_slots(seq, num_new)) is None:
+            seq.spec_token_ids = []
+            copies = None
+            if self.proposer is not None and seq.num_tokens - seq.num_computed_tokens == 1:
+                draft = self.proposer.propose(seq, self._max_draft_len(seq, budget))
+                if draft and (copies := bm.allocate_slots(seq, 1 + len(draft))) is not None:
+                    seq.spec_token_ids = draft
+                    num_new += len(draft)
+            while copies is None and (copies := bm.allocate_slots(seq, num_new)) is None:
                 victim = self.running[-1]
                 if victim.seq_id in planned:
                     _, n, _ = planned.pop(victim.seq_id)
@@ -163,6 +178,25 @@ class Scheduler:
             out.blocks_to_copy += copies
         return out
 
+    def _max_draft_len(self, seq: Sequence, budget: int) -> int:
+        """Draft tokens ``seq`` may carry: within the step's token budget, never more than it could
+        still emit (max_tokens, max_model_len) after the pending token, and in new blocks only while
+        the pool keeps one free block per running sequence (a draft must not cost anyone a
+        preemption or a waiting request its admission); else within the blocks it holds."""
+        left = self.config.max_model_len - seq.num_tokens
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None:
+            left = min(left, max_tokens - seq.num_output_tokens)
+        n = min(budget, left) - 1
+        bm = self.block_manager
+        held = len(seq.block_table) * bm.block_size - seq.num_computed_tokens - 1  # slots after the pending token
+        if n > held:
+            extra = bm.blocks_for(seq.num_computed_tokens + 1 + n) - max(
+                len(seq.block_table), bm.blocks_for(seq.num_computed_tokens + 1))
+            if bm.num_free_blocks - extra < len(self.running):
+                n = max(0, held)
+        return n
+
     def _admit(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         seq.admitted_order = next(self._admissions)
@@ -172,6 +206,7 @@ class Scheduler:
         """Preempt the newest running sequence: swap it out if configured and possible, else
         drop its KV and recompute later; either way it goes back to the FRONT of its queue."""
         self.running.remove(seq)
+        seq.spec_token_ids = []
         self.num_preemptions += 1
         out.preempted.append(seq)
         bm = self.block_manager

@@ -77,6 +77,10 @@ class Sequence:
         self.detokenizer = None  # set by the engine
         self.grammar = None  # a GrammarMatcher when the request has structured_outputs (set by the engine)
         self.admitted_order = -1  # scheduler's admission counter: preempt the newest first
+        # Speculative decoding: the draft tokens this step verifies after the pending token (set by
+        # the scheduler, consumed by the step), and the n-gram index they are looked up in.
+        self.spec_token_ids: list[int] = []
+        self.ngram_index = None
 
     @property
     def params(self) -> SamplingParams:

@@ -1,5 +1,6 @@
 """The bundled model, float32: 24+ prompts generated together under a KV budget that forces
-chunked prefill and preemption must equal transformers' greedy decoding one prompt at a time.
+chunked prefill and preemption, with and without speculative decoding, must equal transformers'
+greedy decoding one prompt at a time.
 
 A divergence is accepted only where transformers' own top-2 logits at that position are within
 1e-4 of each other (a true tie), and it is printed.
@@ -83,28 +84,38 @@ def test_bundled_model_matches_transformers_greedy(bundled_dir):
     from transformers import AutoModelForCausalLM
 
     # 40 blocks x 16 tokens: far less than 24 x (prompt + 32) tokens, so sequences are preempted;
-    # a 64-token step budget chunks every prompt longer than that.
-    llm = LLM(bundled_dir, dtype="float32", max_model_len=512, num_gpu_blocks_override=40, block_size=16,
-              max_num_batched_tokens=64, max_num_seqs=16)
-    prompts = build_prompts(llm.get_tokenizer())
-    assert len(prompts) >= 24
-    assert max(len(p) for p in prompts) > 64 * 2
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert llm.llm_engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+    # a 64-token step budget chunks every prompt longer than that. The second engine also verifies
+    # speculative drafts (prompt lookup), up to 4 tokens a step.
+    runs = {}
+    for spec in (0, 4):
+        llm = LLM(bundled_dir, dtype="float32", max_model_len=512, num_gpu_blocks_override=40, block_size=16,
+                  max_num_batched_tokens=64, max_num_seqs=16, num_speculative_tokens=spec)
+        prompts = build_prompts(llm.get_tokenizer())
+        assert len(prompts) >= 24
+        assert max(len(p) for p in prompts) > 64 * 2
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        engine = llm.llm_engine
+        assert engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+        if spec:
+            assert engine.scheduler.num_accepted_tokens > 0, "no draft was accepted"
+        runs[spec] = [o.outputs[0].token_ids for o in outputs]
+        del llm, engine
 
     hf = AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.float32).eval()
-    ties = []
-    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-        ours = out.outputs[0].token_ids
+    ties = {spec: [] for spec in runs}
+    for i, prompt in enumerate(prompts):
         ref, ref_logits = hf_greedy_with_logits(hf, prompt, MAX_NEW)
-        if ours == ref:
-            continue
-        j = next(k for k, (a, b) in enumerate(zip(ours, ref)) if a != b)
-        top2 = torch.topk(ref_logits[j], 2).values
-        gap = float(top2[0] - top2[1])
-        print(f"prompt {i}: diverged at new token {j} (ours {ours[j]}, transformers {ref[j]}), "
-              f"transformers' top-2 logit gap {gap:.2e}")
-        assert gap < TIE, f"prompt {i} diverged at token {j} without a tie (gap {gap:.2e})"
-        ties.append(i)
-    assert len(ties) <= 2, f"too many tie divergences: {ties}"
+        for spec, outs in runs.items():
+            ours = outs[i]
+            if ours == ref:
+                continue
+            j = next(k for k, (a, b) in enumerate(zip(ours, ref)) if a != b)
+            top2 = torch.topk(ref_logits[j], 2).values
+            gap = float(top2[0] - top2[1])
+            print(f"drafts {spec}, prompt {i}: diverged at new token {j} (ours {ours[j]}, transformers {ref[j]}), "
+                  f"transformers' top-2 logit gap {gap:.2e}")
+            assert gap < TIE, f"drafts {spec}, prompt {i} diverged at token {j} without a tie (gap {gap:.2e})"
+            ties[spec].append(i)
+    for spec, t in ties.items():
+        assert len(t) <= 2, f"too many tie divergences with num_speculative_tokens={spec}: {t}"
