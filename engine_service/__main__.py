@@ -72,6 +72,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--device", default="cpu")
     e.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    e.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="speculative decoding by prompt lookup: draft tokens verified per step (0: off)")
+    e.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram the lookup matches")
+    e.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram the lookup matches")
     v = s.add_argument_group("service")
     v.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="beyond this many waiting requests Generate returns RESOURCE_EXHAUSTED")
@@ -121,7 +125,8 @@ def apply_env_defaults(parser: argparse.ArgumentParser, prefix: str = "PAGODA_")
 ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
                   "enable_chunked_prefill", "preemption_mode", "swap_space_bytes", "seed", "device",
-                  "attention_backend", "kv_cache_prefault")
+                  "attention_backend", "kv_cache_prefault", "num_speculative_tokens", "prompt_lookup_max",
+                  "prompt_lookup_min")
 
 
 def serve(args: argparse.Namespace) -> None:

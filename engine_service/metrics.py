@@ -48,12 +48,15 @@ class EngineMetrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")
         self._success = Counter("pagoda:request_success", "Finished requests by finish_reason.",
                                 labels + ["finish_reason"], registry=r)
         self._rejected = Counter("pagoda:request_rejected", "Requests refused or cut off, by gRPC status code.",
                                  labels + ["code"], registry=r)
         self._model_name = model_name
-        self._seen = (0, 0, 0)  # scheduler counters already exported: preemptions, prefix queries, hits
+        # Scheduler counters already exported: preemptions, prefix queries, hits, drafts, accepted.
+        self._seen = (0, 0, 0, 0, 0)
 
     def observe_step(self, scheduler, num_running: int, num_waiting: int, num_generated: int) -> None:
         """After each step: gauges from the scheduler, counters by difference."""
@@ -61,9 +64,11 @@ class EngineMetrics:
         self.num_requests_running.set(num_running)
         self.num_requests_waiting.set(num_waiting)
         self.kv_cache_usage.set(bm.usage())
-        now = (scheduler.num_preemptions, bm.prefix_queries, bm.prefix_hits)
-        for counter, new, old in zip((self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits),
-                                     now, self._seen):
+        now = (scheduler.num_preemptions, bm.prefix_queries, bm.prefix_hits, scheduler.num_draft_tokens,
+               scheduler.num_accepted_tokens)
+        counters = (self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits, self.spec_draft_tokens,
+                    self.spec_accepted_tokens)
+        for counter, new, old in zip(counters, now, self._seen):
             if new > old:
                 counter.inc(new - old)
         self._seen = now
