@@ -171,6 +171,8 @@ def run_engine(engine: str, args) -> dict:
         cmd += ["--workload", wl]
         if engine == "pagoda" and args.matmul_dtype:
             cmd += ["--matmul-dtype", args.matmul_dtype]
+    if engine in ("pagoda", "vllm") and args.num_speculative_tokens:
+        cmd += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
     t = time.perf_counter()
     proc = subprocess.run([py, *cmd], cwd=ROOT, env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -191,6 +193,9 @@ def main() -> int:
     ap.add_argument("--engines", default="pagoda,vllm",
                     help="comma-separated, run in this order: pagoda,vllm,hf-single,hf-static,hf-cb,llamacpp")
     ap.add_argument("--matmul-dtype", default=None, help="pagoda's EngineConfig.matmul_dtype (default auto)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=0,
+                    help="Pagoda and vLLM alike: speculative decoding by prompt lookup, this many draft tokens a "
+                         "step (0: off, the default and the like-for-like setting)")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--repeat", type=int, default=1, help="run the engine list this many times, round-robin")
     args = ap.parse_args()

@@ -76,6 +76,8 @@ def run_pagoda(args, requests) -> dict:
     opts = {}
     if args.max_num_batched_tokens:
         opts["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.num_speculative_tokens:
+        opts["num_speculative_tokens"] = args.num_speculative_tokens
     llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, matmul_dtype=args.matmul_dtype, **opts)
     engine = llm.llm_engine
 
@@ -87,6 +89,10 @@ def run_pagoda(args, requests) -> dict:
     warm_up_pagoda(engine, requests)
     res = drive(engine, add, requests)
     res["engine"] = f"pagoda (matmul {str(llm.llm_engine.runner.matmul_dtype).removeprefix('torch.')})"
+    if args.num_speculative_tokens:
+        res["engine"] += f" + ngram spec {args.num_speculative_tokens}"
+        res["draft_tokens"] = engine.scheduler.num_draft_tokens
+        res["accepted_tokens"] = engine.scheduler.num_accepted_tokens
     res["preemptions"] = engine.scheduler.num_preemptions
     return res
 
@@ -100,6 +106,9 @@ def run_vllm(args, requests) -> dict:
     opts = {}
     if args.max_num_batched_tokens:
         opts["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.num_speculative_tokens:
+        opts["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=0,
         **opts))
@@ -114,6 +123,8 @@ def run_vllm(args, requests) -> dict:
         engine.step()
     res = drive(engine, add, requests)
     res["engine"] = f"vllm {vllm.__version__}"
+    if args.num_speculative_tokens:
+        res["engine"] += f" + ngram spec {args.num_speculative_tokens}"
     return res
 
 
@@ -186,6 +197,9 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--matmul-dtype", default="auto", help="pagoda: EngineConfig.matmul_dtype")
+    ap.add_argument("--num-speculative-tokens", type=int, default=0,
+                    help="pagoda, vllm: speculative decoding by prompt lookup (n-grams of 1-3 tokens), this many "
+                         "draft tokens a step (0: off)")
     ap.add_argument("--no-detokenize", dest="detokenize", action="store_false",
                     help="pagoda: skip detokenization (vLLM detokenizes; the default keeps it on)")
     args = ap.parse_args()
