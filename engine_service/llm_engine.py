@@ -2,9 +2,8 @@
 
 One ``step()`` schedules a batch, runs one forward, samples, detokenizes, applies stop
 conditions and returns a ``RequestOutput`` for every request that advanced (by one token, or by
-several where a speculative draft was accepted). The offline ``LLM``
-and the gRPC engine service both drive exactly this loop; the engine is not thread-safe, its
-caller owns it from one thread.
+several where a speculative draft was accepted). The offline ``LLM`` and the gRPC engine service
+both drive exactly this loop; the engine is not thread-safe, its caller owns it from one thread.
 """
 from __future__ import annotations
 

@@ -5,9 +5,10 @@ budget (``max_num_seqs``): running decodes first, then running prefills that are
 waiting sequences FCFS, chunked to fit. When blocks run out the most recently admitted sequence
 is preempted (recompute, or swap to host memory) and put back at the front of the queue. With
 speculative decoding on, a decode also carries the draft tokens the proposer guessed for it
-(``seq.spec_token_ids``: more query tokens, the same one sequence), as far as the token budget
-and free blocks allow; drafts are dropped before anything is preempted for them. The scheduler
-never touches tensors: it returns a plain ``SchedulerOutput``.
+(``seq.spec_token_ids``: more query tokens, the same one sequence) as far as the token budget
+allows, in new KV blocks only while one free block per running sequence remains, so that no
+draft costs another sequence a preemption. The scheduler never touches tensors: it returns a
+plain ``SchedulerOutput``.
 """
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self._admissions = itertools.count()
         self.num_preemptions = 0
-        self.num_draft_tokens = 0  # speculative draft tokens verified, and how many were accepted (counted
-        self.num_accepted_tokens = 0  # by the engine, which verifies them)
+        # Speculative draft tokens verified and accepted (the engine, which verifies them, counts).
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                        config.prompt_lookup_max) if config.num_speculative_tokens else None)
         # Tokens the waiting queue still has to compute (waiting sequences hold no KV), kept as
