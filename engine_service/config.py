@@ -66,6 +66,9 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    # The same in vLLM's form: {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_max": 3, "prompt_lookup_min": 1}; sets the three fields above.
+    speculative_config: dict | None = None
 
     # Derived by finalize().
     num_kv_blocks: int = 0
@@ -93,6 +96,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.matmul_dtype != "auto" and self.matmul_dtype not in _DTYPES:
             raise ValueError(f"matmul_dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.matmul_dtype!r}")
+        if self.speculative_config is not None:
+            self._apply_speculative_config(dict(self.speculative_config))
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -101,6 +106,23 @@ class EngineConfig:
         if self.attention_backend not in ("cpu", "torch", "triton", "auto"):
             raise ValueError(f"attention_backend must be 'cpu', 'torch', 'triton' or 'auto', "
                              f"got {self.attention_backend!r}")
+
+    def _apply_speculative_config(self, spec: dict) -> None:
+        method = spec.pop("method", None)
+        if method != "ngram":
+            raise ValueError(f"speculative_config.method must be 'ngram' (prompt lookup, the only method "
+                             f"Pagoda has), got {method!r}")
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            if key in spec:
+                value = spec.pop(key)
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise ValueError(f"speculative_config.{key} must be an integer, got {value!r}")
+                setattr(self, key, value)
+        if spec:
+            raise ValueError(f"speculative_config: unknown keys {sorted(spec)}; known: method, "
+                             f"num_speculative_tokens, prompt_lookup_max, prompt_lookup_min")
+        if "num_speculative_tokens" not in self.speculative_config:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -149,6 +149,19 @@ def test_config_rejects_bad_speculative_options():
         EngineConfig(num_speculative_tokens=-1)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         EngineConfig(num_speculative_tokens=2, prompt_lookup_min=3, prompt_lookup_max=2)
+    for bad, field in (({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+                       ({"method": "ngram"}, "num_speculative_tokens is required"),
+                       ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens"),
+                       ({"method": "ngram", "num_speculative_tokens": 4, "model": "x"}, "unknown keys"),
+                       ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 0}, "prompt_lookup_min")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(speculative_config=bad)
+
+
+def test_config_takes_vllms_speculative_config():
+    cfg = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+                                           "prompt_lookup_min": 2})
+    assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (5, 4, 2)
 
 
 # ---- the engine, bundled model ----------------------------------------------------------------
