@@ -189,21 +189,36 @@ def test_output_with_drafts_equals_output_without(engines):
     sched.block_manager.check_invariants([])
 
 
+def _step_through(llm, prompt, params):
+    """Run one request step by step: its final completion and how many tokens the last step added."""
+    e = llm.llm_engine
+    e.add_request("stepped", prompt, params)
+    final, last_delta = None, 0
+    while e.has_unfinished_requests():
+        for out in e.step():
+            final, last_delta = out.outputs[0], len(out.outputs[0].delta_token_ids)
+    return final, last_delta
+
+
 @pytest.mark.slow
 def test_stops_inside_an_accepted_draft(engines):
     """A stop token or string among a step's accepted tokens ends the output there, as without drafts."""
     plain, spec = engines
     base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ref = plain.generate(PROMPTS[0], base, use_tqdm=False)[0].outputs[0]
+    last_deltas = []
     for j in (9, 17, 30):
         stop_tok = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[ref.token_ids[j]])
         stop_str = SamplingParams(temperature=0.0, max_tokens=40, stop=[ref.text[5 + j:8 + j]])
         for params in (stop_tok, stop_str):
             want = plain.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
-            got = spec.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+            got, last_delta = _step_through(spec, PROMPTS[0], params)
             assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
                 (want.token_ids, want.text, want.finish_reason, want.stop_reason)
             assert got.finish_reason == "stop"
+            last_deltas.append(last_delta)
+    # The case under test happened: some stop came in a step that kept several tokens.
+    assert max(last_deltas) > 1, last_deltas
 
 
 @pytest.mark.slow
