@@ -10,6 +10,7 @@ from engine_service.config import EngineConfig
 from engine_service.scheduler import Scheduler
 from engine_service.sequence import Request, Sequence
 from engine_service.spec_decode import NgramIndex, NgramProposer, accept
+from tests.test_scheduler import make_config
 
 
 def test_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
@@ -18,8 +19,8 @@ def test_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
     # [1, 2, 3] occurred at 0..2, followed by 9 2 3 4.
     assert idx.lookup(tokens, 4) == [9, 2, 3, 4]
     tokens += [7, 2, 3]
-    # [7, 2, 3] and [2, 3]... the longest suffix seen before is [2, 3]; its latest occurrence
-    # (ending at 10) is followed by 7, 2, 3.
+    # [7, 2, 3] never occurred before; the longest suffix that did is [2, 3], whose latest
+    # earlier occurrence (ending at 10) is followed by 7, 2, 3.
     assert idx.lookup(tokens, 5) == [7, 2, 3]
     tokens.append(42)
     assert idx.lookup(tokens, 3) == []  # 42 never occurred before
@@ -42,14 +43,6 @@ def test_accept_keeps_the_models_tokens_up_to_the_first_disagreement():
     assert accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
     assert accept([5, 6, 7], [4, 6, 7, 8]) == [4]
     assert accept([], [3]) == [3]
-
-
-def _config(num_blocks=64, block_size=4, max_num_batched_tokens=32, k=3, **kw) -> EngineConfig:
-    cfg = EngineConfig(block_size=block_size, max_num_seqs=8, max_model_len=min(128, num_blocks * block_size),
-                       max_num_batched_tokens=max_num_batched_tokens, num_gpu_blocks_override=num_blocks,
-                       num_speculative_tokens=k, **kw)
-    cfg.finalize(max_position_embeddings=128, kv_bytes_per_block=1)
-    return cfg
 
 
 def _decoding_seqs(sched: Scheduler, *specs: tuple[list[int], int], **params) -> list[Sequence]:
@@ -77,7 +70,7 @@ def _decoding_seq(sched: Scheduler, tokens: list[int], **params) -> Sequence:
 
 
 def test_scheduler_gives_a_decode_its_draft_within_the_budget_and_blocks():
-    sched = Scheduler(_config())
+    sched = Scheduler(make_config(num_speculative_tokens=3))
     seq = _decoding_seq(sched, [5, 6, 7, 8, 5, 6, 7], max_tokens=20)
     out = sched.schedule()
     # The last three tokens [6, 7, 8] occurred at 1..3, followed by 5 6 7.
@@ -93,8 +86,8 @@ def test_scheduler_gives_a_decode_its_draft_within_the_budget_and_blocks():
     (dict(max_tokens=2), 0),               # only the pending token's successor is left to emit
 ])
 def test_draft_length_is_capped(limits, expected):
-    budget = limits.pop("max_num_batched_tokens", 32)
-    sched = Scheduler(_config(max_num_batched_tokens=max(budget, 7)))
+    budget = limits.get("max_num_batched_tokens", 32)
+    sched = Scheduler(make_config(num_speculative_tokens=3, max_num_batched_tokens=max(budget, 7)))
     seq = _decoding_seq(sched, [5, 6, 7, 8, 5, 6, 7], max_tokens=limits.get("max_tokens", 20))
     sched.config.max_num_batched_tokens = budget
     out = sched.schedule()
@@ -105,7 +98,7 @@ def test_draft_length_is_capped(limits, expected):
 def test_drafts_take_no_block_another_sequence_needs():
     """Past the blocks a sequence holds, a draft takes new ones only while the pool keeps a free
     block per running sequence; else it is cut to the slots held, and nobody is preempted for it."""
-    sched = Scheduler(_config(num_blocks=4, max_num_batched_tokens=16))
+    sched = Scheduler(make_config(num_speculative_tokens=3, num_blocks=4, max_num_batched_tokens=16))
     # a: 6 tokens in 2 blocks; b: 4 tokens in 1 block.
     a, b = _decoding_seqs(sched, ([5, 6, 7, 5, 6], 7), ([1, 2, 3], 1), max_tokens=20)
     assert sched.block_manager.num_free_blocks == 1
@@ -116,7 +109,7 @@ def test_drafts_take_no_block_another_sequence_needs():
     assert out.num_new_tokens == [3, 1]
     assert sched.num_preemptions == 0 and sched.block_manager.num_free_blocks == 1
 
-    roomy = Scheduler(_config(num_blocks=8, max_num_batched_tokens=16))
+    roomy = Scheduler(make_config(num_speculative_tokens=3, num_blocks=8, max_num_batched_tokens=16))
     (a,) = _decoding_seqs(roomy, ([5, 6, 7, 5, 6], 7), max_tokens=20)
     roomy.schedule()
     assert a.spec_token_ids == [5, 6, 7]  # a third block, with 5 free for 1 running sequence
@@ -125,7 +118,7 @@ def test_drafts_take_no_block_another_sequence_needs():
 def test_draft_slots_are_not_offered_to_the_prefix_cache():
     """Blocks are registered only as far as the sequence's own tokens: a block that only a draft
     fills (which may yet be rejected) stays out of the cache."""
-    sched = Scheduler(_config(enable_prefix_caching=True))
+    sched = Scheduler(make_config(num_speculative_tokens=3, enable_prefix_caching=True))
     seq = _decoding_seq(sched, [5, 6, 7, 8, 5, 6, 7, 8], max_tokens=20)  # 9 tokens: 2 full blocks + 1
     sched.schedule()
     assert len(seq.spec_token_ids) == 3  # positions 8..11 are computed: a third "full" block
