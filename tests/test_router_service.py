@@ -144,10 +144,16 @@ def test_fcfs_among_equal_priorities_and_deadline_while_queued(make_router):
     db = rt.server.redis
     ns = model_ns(rt)
     results = {}
-    blocker = threading.Thread(target=timed, args=(client, build_request([3, 4], max_tokens=250, ignore_eos=True),
-                                                   results, "blocker"))
-    blocker.start()
+    # The engine must stay busy past late's 0.3 s deadline on any host: one blocker of 250 tiny-model
+    # tokens once finished so early on a fast host that late was served instead of expiring. Two
+    # blockers of 1000 tokens (the model's positions allow 1024), the second queued ahead of the
+    # fifo requests, keep it busy ~1.2 s (0.6 s each measured on that host).
+    blockers = [threading.Thread(target=timed, args=(client, build_request([3, 4], max_tokens=1000, ignore_eos=True),
+                                                     results, f"blocker-{i}")) for i in range(2)]
+    blockers[0].start()
     wait_for(lambda: rt.server.metrics.requests_running._value.get() >= 1, 30, "blocker running")
+    blockers[1].start()
+    time.sleep(0.05)
     threads = []
     for i in range(5):
         t = threading.Thread(target=timed, args=(client, build_request([20 + i], request_id=f"fifo-{i}", max_tokens=3),
@@ -157,7 +163,7 @@ def test_fcfs_among_equal_priorities_and_deadline_while_queued(make_router):
         time.sleep(0.05)
     # A request whose deadline passes while it waits behind them: DEADLINE_EXCEEDED, and it leaves the queue.
     timed(client, build_request([30], request_id="late", max_tokens=3), results, "late", timeout=0.3)
-    for t in threads + [blocker]:
+    for t in threads + blockers:
         t.join(60)
     client.close()
     start, end, error = results["late"]
