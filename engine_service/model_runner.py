@@ -14,7 +14,7 @@ import torch
 
 from engine_service import cpu_malloc
 from engine_service.config import EngineConfig
-from engine_service.models.llama import LlamaForCausalLM
+from engine_service.models.llama import KeptRows, LlamaForCausalLM
 from engine_service.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_service.scheduler import SchedulerOutput
 from engine_service.sequence import Sequence
@@ -73,6 +73,9 @@ class ModelRunner:
         self.swap_cache = (torch.empty((*shape[:2], config.num_swap_blocks, *shape[3:]), dtype=self.dtype)
                            if config.num_swap_blocks else None)
         self.sampler = Sampler(self.vocab_size, eos_token_ids, argmax=self.layer_ops.argmax)
+        # The last layer runs its attention, o_proj and MLP only on the rows that are sampled
+        # (``LlamaForCausalLM.forward``'s keep): same values, less work in prefill steps.
+        self.prune_last_layer = True
 
     # ---- block movement -----------------------------------------------------------------------
 
@@ -88,6 +91,41 @@ class ModelRunner:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     # ---- the step -----------------------------------------------------------------------------
+
+    def _kept_rows(self, rows: torch.Tensor, meta: AttentionMetadata, seq_idx: torch.Tensor,
+                   t: int) -> KeptRows | None:
+        """The last layer's rows (``KeptRows``): the decode rows and the sampled ``rows``; None when
+        that is every row (nothing to save). A prefill chunk's sampled rows are a suffix of it (its
+        last row, or every row of a speculative chunk), so the kept ones form chunks of their own
+        with the same sequence lengths: the attention sees the same keys."""
+        bd = meta.num_decode_tokens
+        kept = torch.zeros(t, dtype=torch.bool)
+        kept[:bd] = True
+        kept[rows] = True
+        kept_rows = kept.nonzero().squeeze(1)
+        if kept_rows.shape[0] == t:
+            return None
+        counts = torch.bincount(seq_idx[kept_rows], minlength=bd + meta.num_prefills)[bd:]
+        sel = counts.nonzero().squeeze(1)
+        qlens = counts[sel]
+        seq_lens = meta.prefill_seq_lens[sel]
+        max_pre = int(seq_lens.max()) if sel.numel() else 0
+        kmeta = AttentionMetadata(
+            slot_mapping=meta.slot_mapping.index_select(0, kept_rows.to(meta.slot_mapping.device)),
+            num_decode_tokens=bd,
+            decode_block_tables=meta.decode_block_tables,
+            decode_seq_lens=meta.decode_seq_lens,
+            num_prefills=int(sel.numel()),
+            prefill_query_lens=qlens,
+            prefill_seq_lens=seq_lens,
+            prefill_block_tables=meta.prefill_block_tables[sel.to(meta.prefill_block_tables.device),
+                                                           :-(-max_pre // self.block_size)].contiguous(),
+            max_prefill_query_len=int(qlens.max()) if sel.numel() else 0,
+            max_prefill_seq_len=max_pre,
+            max_decode_seq_len=meta.max_decode_seq_len,
+        )
+        self.attn.prepare(kmeta, self.block_size)
+        return self.model.kept_rows(kept_rows.to(self.device), kmeta)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, forks: dict[int, list[Sequence]],
@@ -150,9 +188,6 @@ class ModelRunner:
         )
         self.attn.prepare(meta, bs)
 
-        hidden = self.model(torch.tensor(input_ids, device=self.device), positions.to(self.device),
-                            self.kv_caches, meta, self.attn, self.layer_ops)
-
         # Only sequences whose pending tokens are now all computed sample a token; a decode with a
         # speculative draft samples at each of its 1 + len(draft) positions (consecutive rows).
         rows, sampled = [], []
@@ -165,9 +200,16 @@ class ModelRunner:
                 for target in (s, *forks.get(s.seq_id, ())):
                     rows.append(last)
                     sampled.append(target)
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        keep = self._kept_rows(rows_t, meta, seq_idx, t) if self.prune_last_layer and b > bd else None
+
+        hidden = self.model(torch.tensor(input_ids, device=self.device), positions.to(self.device),
+                            self.kv_caches, meta, self.attn, self.layer_ops, keep)
         if not rows:
             return [], None
-        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
+        if keep is not None:  # hidden holds the kept rows only, in ascending order
+            rows_t = torch.searchsorted(keep.rows.cpu(), rows_t)
+        logits = self.model.compute_logits(hidden.index_select(0, rows_t.to(self.device)))
         batch = SamplingBatch(
             params=[s.params for s in sampled],
             prompt_token_ids=[s.request.prompt_token_ids for s in sampled],

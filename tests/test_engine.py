@@ -226,3 +226,48 @@ def test_importing_pagoda_kernels_does_not_confuse_transformers():
 
     import_utils.is_kernels_available.cache_clear()
     assert not import_utils.is_kernels_available(), "transformers mistook Pagoda's kernels for HF's `kernels`"
+
+
+def _logits_per_step(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], prune: bool):
+    """Step ``llm`` through ``prompts``: every step's logits, the outputs, and how many rows each
+    step's last MLP ran on."""
+    engine = llm.llm_engine
+    runner = engine.runner
+    runner.prune_last_layer = prune
+    steps, last_rows = [], []
+    compute_logits, last_mlp = runner.model.compute_logits, runner.model.layers[-1].mlp
+    runner.model.compute_logits = lambda h: steps.append(compute_logits(h).clone()) or steps[-1]
+    hook = last_mlp.register_forward_pre_hook(lambda m, args: last_rows.append(args[0].shape[0]))
+    try:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] = [c.token_ids for c in out.outputs]
+    finally:
+        runner.model.compute_logits = compute_logits
+        hook.remove()
+        runner.prune_last_layer = True
+    return steps, outputs, last_rows
+
+
+@pytest.mark.parametrize("model,dtype", [("tiny", "float32"), ("tiny", "bfloat16"), ("bundled", "bfloat16")])
+def test_last_layer_on_sampled_rows_only_gives_the_same_logits(tiny_llama_dir, bundled_dir, prompts, model,
+                                                               dtype):
+    """The last layer runs attention, o_proj and MLP only on the rows that are sampled: every
+    step's logits are bitwise those of the full last layer, with chunked prefill, decodes, forks
+    (n = 2) and speculative chunks in the same steps."""
+    llm = LLM(tiny_llama_dir if model == "tiny" else bundled_dir, dtype=dtype, max_num_batched_tokens=40,
+              num_speculative_tokens=3, max_model_len=512, seed=0, enable_prefix_caching=False)
+    ps = [p * 3 for p in prompts[:6]]  # repeats give the prompt-lookup drafts matches
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) if i % 3 else
+              SamplingParams(temperature=0.8, n=2, seed=i, max_tokens=12, ignore_eos=True) for i in range(len(ps))]
+    want, want_out, full_rows = _logits_per_step(llm, ps, params, prune=False)
+    got, got_out, pruned_rows = _logits_per_step(llm, ps, params, prune=True)
+    assert sum(pruned_rows) < sum(full_rows) * 0.8, (pruned_rows, full_rows)
+    assert got_out == want_out
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"step {i}: logits differ"
+    assert llm.llm_engine.scheduler.num_accepted_tokens > 0, "no speculative chunk was verified"

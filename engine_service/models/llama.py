@@ -6,6 +6,7 @@ Q/K/V and gate/up projections are fused into one matmul each at load time.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -125,7 +126,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                attn, ops: TorchLayerOps) -> torch.Tensor:
+                attn, ops: TorchLayerOps, keep: "KeptRows | None" = None) -> torch.Tensor:
+        """Attention over the step's rows; with ``keep``, K/V are still written for every row but
+        the attention and o_proj run only on ``keep.rows`` (returns [len(keep.index), hidden])."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -141,6 +144,9 @@ class LlamaAttention(nn.Module):
         if tr != t:
             q, k, v = q[:tr], k[:tr], v[:tr]
         attn.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        if keep is not None:
+            q, k, v = (a.index_select(0, keep.rows) for a in (q, k, v))
+            t, tr, meta = keep.index.shape[0], keep.rows.shape[0], keep.meta
         nd = meta.num_decode_tokens
         # Decode rows, then prefill rows, then padding rows, written in place (no cat / pad copies).
         out = q.new_empty(t, self.num_heads, self.head_dim)
@@ -151,6 +157,19 @@ class LlamaAttention(nn.Module):
         if tr != t:
             out[tr:].zero_()
         return self.o_proj(out.view(t, self.q_size))
+
+
+@dataclass
+class KeptRows:
+    """The rows of a step whose final hidden state is needed (the sampled ones), for the last
+    layer: ``rows`` ascending, every decode row first (the decode kernel takes them all), then for
+    each prefill chunk a suffix of its rows (its last row, or all of a speculative chunk's);
+    ``index``: ``rows`` padded to the GEMM row multiple; ``meta``: the attention metadata of
+    those rows alone (the kept suffixes as the chunks, chunks with none dropped)."""
+
+    rows: torch.Tensor
+    index: torch.Tensor
+    meta: AttentionMetadata
 
 
 class LlamaMLP(nn.Module):
@@ -173,15 +192,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope, kv_cache, meta, attn,
-                ops: TorchLayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+                ops: TorchLayerOps, keep: "KeptRows | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before adding it): the next
-        layer's norm adds the two, fused (``ops.rms_norm``)."""
+        layer's norm adds the two, fused (``ops.rms_norm``). With ``keep`` both are only for the
+        rows ``keep.index`` selects."""
         if residual is None:
             residual = h
             x = ops.rms_norm(h, None, self.input_layernorm.weight, self.input_layernorm.eps)
         else:
             x = ops.rms_norm(h, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        x = self.self_attn(x, rope, kv_cache, meta, attn, ops)
+        x = self.self_attn(x, rope, kv_cache, meta, attn, ops, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep.index)
         x = ops.rms_norm(x, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         return self.mlp(x, ops), residual
 
@@ -213,7 +235,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, attn,
-                ops: TorchLayerOps | None = None) -> torch.Tensor:
+                ops: TorchLayerOps | None = None, keep: "KeptRows | None" = None) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the step's rows, or with ``keep`` of ``keep.rows``
+        only: the last layer then runs its attention, o_proj and MLP on those rows alone (every
+        row's K/V is still cached). The kept rows' values are the same either way: each op is
+        row-wise."""
         ops = ops or TorchLayerOps()
         t = input_ids.shape[0]
         pad = -t % self.gemm_row_multiple
@@ -223,9 +249,19 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         rope = ops.rope_inputs(positions, self.rope_cos, self.rope_sin, h.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, rope, kv_cache, meta, attn, ops)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            h, residual = layer(h, residual, rope, kv_cache, meta, attn, ops, keep if i == last else None)
+        if keep is not None:
+            t = keep.rows.shape[0]
         return ops.rms_norm(h, residual, self.norm.weight, self.norm.eps)[:t]
+
+    def kept_rows(self, rows: torch.Tensor, meta: AttentionMetadata) -> "KeptRows":
+        """``KeptRows`` for the ascending row indices ``rows`` (see there)."""
+        m = rows.shape[0]
+        pad = -m % self.gemm_row_multiple
+        index = F.pad(rows, (0, pad)) if pad else rows  # padding rows repeat row 0, dropped after
+        return KeptRows(rows, index, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model dtype (the sampler widens them only when it does more than argmax).
