@@ -236,7 +236,12 @@ def _logits_per_step(llm: LLM, prompts: list[list[int]], params: list[SamplingPa
     runner.prune_last_layer = prune
     steps, last_rows = [], []
     compute_logits, last_mlp = runner.model.compute_logits, runner.model.layers[-1].mlp
-    runner.model.compute_logits = lambda h: steps.append(compute_logits(h).clone()) or steps[-1]
+
+    def recording_compute_logits(hidden):
+        steps.append(compute_logits(hidden).clone())  # as computed, before the sampler sees it
+        return steps[-1]
+
+    runner.model.compute_logits = recording_compute_logits
     hook = last_mlp.register_forward_pre_hook(lambda m, args: last_rows.append(args[0].shape[0]))
     try:
         for i, (p, sp) in enumerate(zip(prompts, params)):
