@@ -93,18 +93,19 @@ class ModelRunner:
     # ---- the step -----------------------------------------------------------------------------
 
     def _kept_rows(self, rows: torch.Tensor, meta: AttentionMetadata, seq_idx: torch.Tensor,
-                   t: int) -> KeptRows | None:
-        """The last layer's rows (``KeptRows``): the decode rows and the sampled ``rows``; None when
-        that is every row (nothing to save). A prefill chunk's sampled rows are a suffix of it (its
-        last row, or every row of a speculative chunk), so the kept ones form chunks of their own
-        with the same sequence lengths: the attention sees the same keys."""
+                   t: int) -> tuple[KeptRows | None, torch.Tensor]:
+        """The last layer's rows (``KeptRows``): the decode rows and the sampled ``rows``, and the
+        sampled rows' positions among them; (None, ``rows``) when that is every row (nothing to
+        save). A prefill chunk's sampled rows are a suffix of it (its last row, or every row of a
+        speculative chunk), so the kept ones form chunks of their own with the same sequence
+        lengths: the attention sees the same keys."""
         bd = meta.num_decode_tokens
         kept = torch.zeros(t, dtype=torch.bool)
         kept[:bd] = True
         kept[rows] = True
         kept_rows = kept.nonzero().squeeze(1)
         if kept_rows.shape[0] == t:
-            return None
+            return None, rows
         counts = torch.bincount(seq_idx[kept_rows], minlength=bd + meta.num_prefills)[bd:]
         sel = counts.nonzero().squeeze(1)
         qlens = counts[sel]
@@ -125,7 +126,7 @@ class ModelRunner:
             max_decode_seq_len=meta.max_decode_seq_len,
         )
         self.attn.prepare(kmeta, self.block_size)
-        return self.model.kept_rows(kept_rows.to(self.device), kmeta)
+        return self.model.kept_rows(kept_rows.to(self.device), kmeta), torch.searchsorted(kept_rows, rows)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, forks: dict[int, list[Sequence]],
@@ -200,15 +201,15 @@ class ModelRunner:
                 for target in (s, *forks.get(s.seq_id, ())):
                     rows.append(last)
                     sampled.append(target)
-        rows_t = torch.tensor(rows, dtype=torch.int64)
-        keep = self._kept_rows(rows_t, meta, seq_idx, t) if self.prune_last_layer and b > bd else None
+        # rows_t: where each sampled row's final hidden state is in the forward's output.
+        keep, rows_t = None, torch.tensor(rows, dtype=torch.int64)
+        if self.prune_last_layer and b > bd:
+            keep, rows_t = self._kept_rows(rows_t, meta, seq_idx, t)
 
         hidden = self.model(torch.tensor(input_ids, device=self.device), positions.to(self.device),
                             self.kv_caches, meta, self.attn, self.layer_ops, keep)
         if not rows:
             return [], None
-        if keep is not None:  # hidden holds the kept rows only, in ascending order
-            rows_t = torch.searchsorted(keep.rows.cpu(), rows_t)
         logits = self.model.compute_logits(hidden.index_select(0, rows_t.to(self.device)))
         batch = SamplingBatch(
             params=[s.params for s in sampled],

@@ -105,6 +105,19 @@ def _rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor
     return emb.cos() * scaling, emb.sin() * scaling
 
 
+@dataclass
+class KeptRows:
+    """The rows of a step whose final hidden state is needed (the sampled ones), for the last
+    layer: ``rows`` ascending, every decode row first (the decode kernel takes them all), then for
+    each prefill chunk a suffix of its rows (its last row, or all of a speculative chunk's);
+    ``index``: ``rows`` padded to the GEMM row multiple; ``meta``: the attention metadata of
+    those rows alone (the kept suffixes as the chunks, chunks with none dropped)."""
+
+    rows: torch.Tensor
+    index: torch.Tensor
+    meta: AttentionMetadata
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -126,7 +139,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                attn, ops: TorchLayerOps, keep: "KeptRows | None" = None) -> torch.Tensor:
+                attn, ops: TorchLayerOps, keep: KeptRows | None = None) -> torch.Tensor:
         """Attention over the step's rows; with ``keep``, K/V are still written for every row but
         the attention and o_proj run only on ``keep.rows`` (returns [len(keep.index), hidden])."""
         t = x.shape[0]
@@ -159,19 +172,6 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.view(t, self.q_size))
 
 
-@dataclass
-class KeptRows:
-    """The rows of a step whose final hidden state is needed (the sampled ones), for the last
-    layer: ``rows`` ascending, every decode row first (the decode kernel takes them all), then for
-    each prefill chunk a suffix of its rows (its last row, or all of a speculative chunk's);
-    ``index``: ``rows`` padded to the GEMM row multiple; ``meta``: the attention metadata of
-    those rows alone (the kept suffixes as the chunks, chunks with none dropped)."""
-
-    rows: torch.Tensor
-    index: torch.Tensor
-    meta: AttentionMetadata
-
-
 class LlamaMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -192,7 +192,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope, kv_cache, meta, attn,
-                ops: TorchLayerOps, keep: "KeptRows | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+                ops: TorchLayerOps, keep: KeptRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before adding it): the next
         layer's norm adds the two, fused (``ops.rms_norm``). With ``keep`` both are only for the
         rows ``keep.index`` selects."""
@@ -235,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, attn,
-                ops: TorchLayerOps | None = None, keep: "KeptRows | None" = None) -> torch.Tensor:
+                ops: TorchLayerOps | None = None, keep: KeptRows | None = None) -> torch.Tensor:
         """Final hidden states [T, hidden] of the step's rows, or with ``keep`` of ``keep.rows``
         only: the last layer then runs its attention, o_proj and MLP on those rows alone (every
         row's K/V is still cached). The kept rows' values are the same either way: each op is
@@ -256,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
             t = keep.rows.shape[0]
         return ops.rms_norm(h, residual, self.norm.weight, self.norm.eps)[:t]
 
-    def kept_rows(self, rows: torch.Tensor, meta: AttentionMetadata) -> "KeptRows":
+    def kept_rows(self, rows: torch.Tensor, meta: AttentionMetadata) -> KeptRows:
         """``KeptRows`` for the ascending row indices ``rows`` (see there)."""
         m = rows.shape[0]
         pad = -m % self.gemm_row_multiple
