@@ -91,7 +91,7 @@ LENS = [1, 15, 16, 17, 31, 33, 100, 257, 5, 64]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("h,kvh", [(4, 4), (9, 3), (8, 2), (16, 1), (12, 1)])
+@pytest.mark.parametrize("h,kvh", [(4, 4), (9, 9), (9, 3), (8, 2), (16, 1), (12, 1)])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bs", [16, 32])
 def test_matches_reference(dtype, h, kvh, d, bs):

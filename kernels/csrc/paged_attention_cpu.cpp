@@ -12,8 +12,8 @@
 // for all of them; the scores read each token's K rows of all the item's kv heads in one go (address
 // order). Online softmax (running max / sum), fp32 accumulators; bf16 uses vdpbf16ps for Q K^T and,
 // with P rounded to bf16, for P V. Blocks sit at random places, out of reach of the hardware
-// prefetchers, so a prefetch cursor walks the item's blocks ~48 KB ahead and requests a few lines
-// into L2 between every token's arithmetic. A sequence much longer than the average work per thread
+// prefetchers, so each kv head's pass requests into L2 its part of the K and V rows a span or more
+// (~24 KB) ahead, one row per token of arithmetic. A sequence much longer than the average work per thread
 // (few sequences, or one long one among short ones) is split into block-aligned slices
 // (flash-decoding) whose partial results are merged at the end.
 //
@@ -70,7 +70,7 @@ namespace {
 
 constexpr int kTile = 16;    // tokens per decode tile == lanes per vector
 constexpr int kMaxNH = 8;    // query heads processed together per pass over a tile
-constexpr int kPrefetchBytes = 48 << 10;  // decode: software prefetch distance (K+V bytes of an item)
+constexpr int kPrefetchBytes = 24 << 10;  // decode: software prefetch distance (K+V bytes of an item)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // 2^r = e^(r ln2) on [-0.5, 0.5]: Taylor to degree 7, highest power first (rel. error ~5e-9); the
@@ -334,67 +334,12 @@ PAGODA_INLINE void prefetch_row_l2(const void* row, int bytes) {
   if (bytes & 63) prefetch_l2(p + bytes - 1);
 }
 
-// Walks the K and V rows of an item's future blocks in address order (a block's rows for the item's
-// kv heads are one contiguous run in the usual layout) and prefetches them into L2, q/16 lines per
-// step: the span code steps once per token of arithmetic, so the requests are spread evenly over
-// the work, at the pace the item consumes its blocks, a fixed distance ahead. Measured on Zen 4
-// (one core, DRAM-bound, against the L1 prefetch of the block two ahead that this replaced): 2x;
-// issuing all of a pass's prefetches in the first kv head's pass instead of spreading them: -20%.
-struct PrefetchCursor {
-  const char* p = nullptr;
-  const char* end = nullptr;
-  // generator: blocks [blk, last_blk] of the item, K then V of each, one run per block (whole) or
-  // one per token row
-  const char* kc;
-  const char* vc;
-  const int32_t* bt;
-  int64_t ks0, ks1, vs0, vs1;  // bytes
-  int blk = 0, last_blk = -1, bs = 0, tok = 0, phase = 0, run = 0;
-  bool whole = false;
-  int q = 0;  // lines per step, in 1/16ths
-  int credit = 0;
-
-  PAGODA_INLINE void step(int k) {
-    credit += k * q;
-    while (credit >= 16) {
-      credit -= 16;
-      if (p >= end && !next()) {
-        credit = 0;
-        return;
-      }
-      prefetch_l2(p);
-      p += 64;
-    }
-  }
-  // Next range; false when the item's blocks are exhausted.
-  __attribute__((noinline)) bool next() {
-    while (blk <= last_blk) {
-      const char* base = (phase == 0 ? kc + bt[blk] * ks0 : vc + bt[blk] * vs0);
-      const int64_t rs = phase == 0 ? ks1 : vs1;
-      const char* a;
-      int64_t bytes;
-      if (whole) {
-        a = base;
-        bytes = static_cast<int64_t>(bs) * rs;
-        phase ^= 1;
-        if (phase == 0) ++blk;
-      } else {
-        a = base + tok * rs;
-        bytes = run;
-        if (++tok == bs) {
-          tok = 0;
-          phase ^= 1;
-          if (phase == 0) ++blk;
-        }
-      }
-      p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(a) & ~uintptr_t{63});
-      end = a + bytes;
-      return true;
-    }
-    p = end = nullptr;
-    return false;
-  }
-};
+// Requests the lines of [p, p + bytes) into L2.
+PAGODA_INLINE void prefetch_range_l2(const void* p, int bytes) {
+  const char* end = static_cast<const char*>(p) + bytes;
+  for (const char* a = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}); a < end; a += 64)
+    prefetch_l2(a);
+}
 
 constexpr int kSpan = 32;            // tokens per decode span (two 16-lane score vectors per head)
 constexpr int kMaxGroupHeads = 9;    // q heads per span call (kv heads x their q heads, see run_item)
@@ -410,7 +355,12 @@ struct SpanArgs {
   const void* const* krow;  // [n]: token t's K row of the item's first kv head
   const void* const* vrow;
   int64_t ks2, vs2;         // element stride between kv heads in a row
-  PrefetchCursor* pf;
+  // [n] or null (no prefetching in this call): the K / V row (first kv head) of the token `ahead`
+  // places after each of the span's, null past the item's end. Each kv head's pass requests its own
+  // pf_bytes of them into L2 (K in the scores loop, V in the P @ V loop).
+  const void* const* kpf;
+  const void* const* vpf;
+  int pf_bytes;
   int n, D, nkv, g;
   float qscale;
 };
@@ -443,15 +393,51 @@ PAGODA_INLINE float softmax_span(V16* s, int n, float qscale, float& m, V16& lsu
 // address order (one contiguous run per token in the usual layout; SmolLM2 shapes, one core,
 // DRAM-bound: ~15% faster than one kv head's rows at a time). tmp[(kh * NH + j) * kSpan + t] gets
 // the 16-lane partial dot products.
-template <typename T, int NH, int DT>
+//
+// NKV > 0 (bf16 with vdpbf16ps, DT > 0): the call covers exactly NKV kv heads, whose NKV x NH
+// queries are held in registers for the whole span (with a runtime kv-head count they were reloaded
+// for every token: a store to tmp may alias them). SmolLM2 shapes, one core, from L2: 1.07x.
+template <typename T, int NH, int DT, int NKV>
 PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw, V16* tmp) {
   const int D = DT ? DT : A.D;
   const int n = A.n, nkv = A.nkv, g = A.g;
   const T* const* krow = reinterpret_cast<const T* const*>(A.krow);
-  PrefetchCursor& pf = *A.pf;
+  const T* const* kpf = reinterpret_cast<const T* const*>(A.kpf);
+#if PAGODA_DPBF16
+  if constexpr (std::is_same_v<T, bf16_t> && NKV > 0) {
+    static_assert(DT > 0 && DT % 32 == 0, "register-held queries need a compile-time head_dim, a multiple of 32");
+    constexpr int NC = DT / 32;
+    (void)qf;
+    __m512bh qv[NKV][NH][NC];
+    for (int kh = 0; kh < NKV; ++kh)
+      for (int j = 0; j < NH; ++j)
+        for (int c = 0; c < NC; ++c)
+          qv[kh][j][c] = (__m512bh)_mm512_loadu_si512(qraw + (static_cast<size_t>(kh) * g + j) * DT + c * 32);
+    for (int t = 0; t < n; ++t) {
+      const bf16_t* kr = krow[t];
+      const bf16_t* pf = kpf ? kpf[t] : nullptr;
+#pragma GCC unroll 16
+      for (int kh = 0; kh < NKV; ++kh) {
+        if (pf) prefetch_range_l2(pf + kh * A.ks2, A.pf_bytes);
+        const bf16_t* kp = kr + kh * A.ks2;
+        __m512 part[NH];
+        for (int j = 0; j < NH; ++j) part[j] = _mm512_setzero_ps();
+        for (int c = 0; c < NC; ++c) {
+          const __m512bh kv = (__m512bh)_mm512_loadu_si512(kp + c * 32);
+          for (int j = 0; j < NH; ++j) part[j] = _mm512_dpbf16_ps(part[j], qv[kh][j][c], kv);
+        }
+        for (int j = 0; j < NH; ++j) tmp[(kh * NH + j) * kSpan + t].v = part[j];
+      }
+    }
+    const int nfill = n <= kTile ? kTile : kSpan;
+    for (int r = 0; r < NKV * NH; ++r)
+      for (int t = n; t < nfill; ++t) tmp[r * kSpan + t] = vzero();
+    return;
+  }
+#endif
   for (int t = 0; t < n; ++t) {
     for (int kh = 0; kh < nkv; ++kh) {
-      pf.step(1);
+      if (kpf && kpf[t]) prefetch_range_l2(kpf[t] + kh * A.ks2, A.pf_bytes);
       const T* kp = krow[t] + kh * A.ks2;
 #if PAGODA_DPBF16
       if constexpr (std::is_same_v<T, bf16_t>) {
@@ -501,8 +487,8 @@ void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, 
   const int nc = D / kTile;
   const int n = A.n, g = A.g;
   const T* const* vrow = reinterpret_cast<const T* const*>(A.vrow);
-  PrefetchCursor& pf = *A.pf;
-  span_scores<T, NH, DT>(A, qf, qraw, tmp);
+  const T* const* vpf = reinterpret_cast<const T* const*>(A.vpf);
+  span_scores<T, NH, DT, 0>(A, qf, qraw, tmp);
   for (int kh = 0; kh < A.nkv; ++kh) {
     float p[NH][2 * kTile];
     float alpha[NH];
@@ -520,7 +506,7 @@ void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, 
       V16 a[NH];
       for (int j = 0; j < NH; ++j) a[j] = vmul(vload(acch + j * D + c * kTile), vset1(alpha[j]));
       for (int t = 0; t < n; ++t) {
-        if (c == 0) pf.step(1);
+        if (c == 0 && vpf && vpf[t]) prefetch_range_l2(vpf[t] + kh * A.vs2, A.pf_bytes);
         V16 vv = vload(vrow[t] + kh * A.vs2 + c * kTile);
         for (int j = 0; j < NH; ++j) a[j] = vfma(vset1(p[j][t]), vv, a[j]);
       }
@@ -536,7 +522,7 @@ void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, 
 // 16 dims. The interleave permutes head_dim within each 32-wide chunk: accumulator lane i of the low
 // half holds d = 8 (i / 4) + i % 4, of the high half d = 8 (i / 4) + 4 + i % 4 (acc_perm_index); a
 // trailing 16-wide chunk (D % 32 == 16) stays in natural order.
-template <int NH, int DT>
+template <int NH, int DT, int NKV>
 void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, float* acc, float* m, V16* lsum,
                       V16* tmp) {
   const int D = DT ? DT : A.D;
@@ -544,11 +530,11 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
   const bool tail = (D % 32) != 0;
   const int n = A.n, g = A.g;
   const bf16_t* const* vrow = reinterpret_cast<const bf16_t* const*>(A.vrow);
-  PrefetchCursor& pf = *A.pf;
-  span_scores<bf16_t, NH, DT>(A, qf, qraw, tmp);
+  const bf16_t* const* vpf = reinterpret_cast<const bf16_t* const*>(A.vpf);
+  span_scores<bf16_t, NH, DT, NKV>(A, qf, qraw, tmp);
   const int npairs = (n + 1) / 2;
   const bool odd = n & 1;
-  for (int kh = 0; kh < A.nkv; ++kh) {
+  for (int kh = 0; kh < (NKV ? NKV : A.nkv); ++kh) {
     alignas(64) uint16_t p16[NH][2 * kTile];
     float alpha[NH];
     for (int j = 0; j < NH; ++j) {
@@ -568,7 +554,10 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
         hi[j] = _mm512_mul_ps(_mm512_loadu_ps(acch + j * D + c * 32 + 16), al);
       }
       for (int tp = 0; tp < npairs; ++tp) {
-        if (c == 0) pf.step(2);
+        if (c == 0 && vpf) {
+          if (vpf[2 * tp]) prefetch_range_l2(vpf[2 * tp] + vo, A.pf_bytes);
+          if (2 * tp + 1 < n && vpf[2 * tp + 1]) prefetch_range_l2(vpf[2 * tp + 1] + vo, A.pf_bytes);
+        }
         const __m512i a = _mm512_loadu_si512(vrow[2 * tp] + vo + c * 32);
         const __m512i b =
             (odd && tp == npairs - 1) ? _mm512_setzero_si512() : _mm512_loadu_si512(vrow[2 * tp + 1] + vo + c * 32);
@@ -625,14 +614,14 @@ SpanFn<T> span_fn_d(int nh) {
 #if PAGODA_DPBF16
   if constexpr (std::is_same_v<T, bf16_t>) {
     switch (nh) {
-      case 1: return attend_span_bf16<1, DT>;
-      case 2: return attend_span_bf16<2, DT>;
-      case 3: return attend_span_bf16<3, DT>;
-      case 4: return attend_span_bf16<4, DT>;
-      case 5: return attend_span_bf16<5, DT>;
-      case 6: return attend_span_bf16<6, DT>;
-      case 7: return attend_span_bf16<7, DT>;
-      default: return attend_span_bf16<8, DT>;
+      case 1: return attend_span_bf16<1, DT, 0>;
+      case 2: return attend_span_bf16<2, DT, 0>;
+      case 3: return attend_span_bf16<3, DT, 0>;
+      case 4: return attend_span_bf16<4, DT, 0>;
+      case 5: return attend_span_bf16<5, DT, 0>;
+      case 6: return attend_span_bf16<6, DT, 0>;
+      case 7: return attend_span_bf16<7, DT, 0>;
+      default: return attend_span_bf16<8, DT, 0>;
     }
   }
 #endif
@@ -648,9 +637,30 @@ SpanFn<T> span_fn_d(int nh) {
   }
 }
 
-// The span function for nh heads; head_dim 64 and 128 get compile-time specialisations.
+// The span function for nh heads over nkv kv heads a call; head_dim 64 and 128 get compile-time
+// specialisations, and bf16 with head_dim 64 one with the queries in registers for a full group
+// (nkv = kMaxGroupHeads / nh).
 template <typename T>
-SpanFn<T> span_fn(int nh, int D) {
+SpanFn<T> span_fn(int nh, int D, int nkv) {
+#if PAGODA_DPBF16
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    if (D == 64 && nkv == kMaxGroupHeads / nh) {
+      switch (nh) {
+        case 1: return attend_span_bf16<1, 64, kMaxGroupHeads / 1>;
+        case 2: return attend_span_bf16<2, 64, kMaxGroupHeads / 2>;
+        case 3: return attend_span_bf16<3, 64, kMaxGroupHeads / 3>;
+        case 4: return attend_span_bf16<4, 64, kMaxGroupHeads / 4>;
+        case 5: return attend_span_bf16<5, 64, kMaxGroupHeads / 5>;
+        case 6: return attend_span_bf16<6, 64, kMaxGroupHeads / 6>;
+        case 7: return attend_span_bf16<7, 64, kMaxGroupHeads / 7>;
+        case 8: return attend_span_bf16<8, 64, kMaxGroupHeads / 8>;
+        default: break;
+      }
+    }
+  }
+#else
+  (void)nkv;
+#endif
   if constexpr (!std::is_same_v<T, f16_t>) {
     if (D == 64) return span_fn_d<T, 64>(nh);
     if (D == 128) return span_fn_d<T, 128>(nh);
@@ -702,54 +712,60 @@ void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   const int32_t* bt = P.block_tables + static_cast<int64_t>(b) * P.bt_stride;
   const int nkv = kh1 - kh0;
   const int64_t elt = sizeof(T);
-  const int first_blk = t0 / bs, last_blk = (t1 - 1) / bs;
-  // Prefetch: the cursor starts `dist` blocks ahead (kPrefetchBytes of the item's K and V; those
-  // first blocks are prefetched up front) and steps q lines per token of arithmetic, enough to keep
-  // pace with the blocks consumed.
-  PrefetchCursor pf;
-  pf.kc = reinterpret_cast<const char*>(kc + kh0 * P.ks2);
-  pf.vc = reinterpret_cast<const char*>(vc + kh0 * P.vs2);
-  pf.bt = bt;
-  pf.ks0 = P.ks0 * elt;
-  pf.ks1 = P.ks1 * elt;
-  pf.vs0 = P.vs0 * elt;
-  pf.vs1 = P.vs1 * elt;
-  pf.bs = bs;
-  pf.run = static_cast<int>(((nkv - 1) * P.ks2 + D) * elt);
-  pf.whole = P.ks1 * elt == pf.run && P.vs1 == P.ks1 && P.vs2 == P.ks2;  // a block's rows are one run
-  const int64_t block_bytes = 2 * static_cast<int64_t>(bs) * pf.run;
-  const int dist = static_cast<int>(std::max<int64_t>(1, kPrefetchBytes / block_bytes));
-  pf.blk = first_blk;
-  pf.last_blk = std::min(last_blk, first_blk + dist - 1);
-  pf.q = 1 << 24;
-  pf.step(1);  // the first blocks, at once
-  pf.blk = first_blk + dist;
-  pf.last_blk = last_blk;
-  pf.tok = pf.phase = 0;
-  pf.p = pf.end = nullptr;
-  pf.credit = 0;
-  {
-    // Lines per block / token steps per block (the QK loop steps once per token, the PV loop once
-    // per token (fp32 / fp16) or pair of tokens (bf16, 2 q each), every pass over a kv head).
-    const int64_t lines = block_bytes / 64 + (pf.whole ? 2 : 2 * bs);  // + partial lines at range ends
-    const int64_t steps = static_cast<int64_t>(nkv) * ((g + kMaxNH - 1) / kMaxNH) * 2 * bs;
-    pf.q = static_cast<int>((16 * lines + steps - 1) / steps);
-  }
-  const void* krow[kSpan];
-  const void* vrow[kSpan];
-  SpanFn<T> fns[kMaxNH + 1];
-  for (int nh = 1; nh <= std::min(g, kMaxNH); ++nh) fns[nh] = span_fn<T>(nh, D);
+  const int first_blk = t0 / bs;
   // kv heads per span call: the scores of kvg x g heads x kSpan tokens wait in S.tmp for the
   // softmax, so it must stay small (L1).
   const int kvg = std::max(1, std::min(nkv, kMaxGroupHeads / std::min(g, kMaxNH)));
+  const int span_bytes = kSpan * (kvg * std::min(g, kMaxNH) * 64 + 2 * kvg * D * static_cast<int>(sizeof(T)));
+  const int span = span_bytes <= kMaxSpanBytes ? kSpan : kTile;
+  // Prefetch: every token's K and V rows are requested into L2 `ahead` tokens (kPrefetchBytes of K
+  // and V) before the arithmetic reaches them, by the span call that attends the token `ahead` places
+  // earlier, a kv head's part of a row in that kv head's pass, so the requests are spread evenly
+  // over the work; the first `ahead` tokens' rows are requested up front. Against a cursor that
+  // walked the blocks in address order with a credit counter (the state went through memory on
+  // every token, a store to the scores may alias it), SmolLM2 shapes on Zen 4: one core from L2
+  // 1.14x; from DRAM (two cores) 0.98-1.08x in isolation and 0.99x over a W run (bench/
+  // decode_kernel_ab.py): there the reads, not the bookkeeping, set the pace. Distance: 24 KB beat
+  // 8, 16, 32, 48, 64 and 96 KB on short contexts.
+  const int run = static_cast<int>(((nkv - 1) * P.ks2 + D) * elt);  // bytes of a token's row, item's kv heads
+  // At least a span: a call over some of the kv heads must reach past the span it attends (the
+  // other kv heads' calls come between). Llama-8B shapes (4 calls a span; `ahead` would be 6 tokens
+  // otherwise), one core: 1.44x.
+  const int ahead = std::max(span, kPrefetchBytes / (2 * run));
+  auto k_at = [&](int t) { return kc + bt[t / bs] * P.ks0 + (t % bs) * P.ks1 + kh0 * P.ks2; };
+  auto v_at = [&](int t) { return vc + bt[t / bs] * P.vs0 + (t % bs) * P.vs1 + kh0 * P.vs2; };
+  for (int t = t0; t < std::min(t1, t0 + ahead); ++t) {
+    prefetch_range_l2(k_at(t), run);
+    prefetch_range_l2(v_at(t), run);
+  }
+  int pblk = 0, poff = 0;  // block and row of the next token to prefetch (t0 + ahead)
+  const T* pk = nullptr;
+  const T* pv = nullptr;
+  if (t0 + ahead < t1) {
+    pblk = (t0 + ahead) / bs;
+    poff = (t0 + ahead) % bs;
+    pk = kc + bt[pblk] * P.ks0 + kh0 * P.ks2;
+    pv = vc + bt[pblk] * P.vs0 + kh0 * P.vs2;
+  }
+  const void* krow[kSpan];
+  const void* vrow[kSpan];
+  SpanFn<T> fns[kMaxNH + 1];  // for a runtime kv-head count
+  SpanFn<T> fns_full[kMaxNH + 1];  // for kMaxGroupHeads / nh kv heads
+  for (int nh = 1; nh <= std::min(g, kMaxNH); ++nh) {
+    fns[nh] = span_fn<T>(nh, D, 0);
+    fns_full[nh] = span_fn<T>(nh, D, kMaxGroupHeads / nh);
+  }
   const void* krow_g[kSpan];
   const void* vrow_g[kSpan];
+  const void* kpf[kSpan];
+  const void* vpf[kSpan];
+  const void* kpf_g[kSpan];
+  const void* vpf_g[kSpan];
   SpanArgs A;
   A.krow = krow;
   A.vrow = vrow;
   A.ks2 = P.ks2;
   A.vs2 = P.vs2;
-  A.pf = &pf;
   A.D = D;
   A.nkv = nkv;
   A.g = g;
@@ -757,8 +773,6 @@ void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   int blk = first_blk, off = t0 - first_blk * bs;  // the next token's block and row in it
   const T* kblk = kc + bt[blk] * P.ks0 + kh0 * P.ks2;
   const T* vblk = vc + bt[blk] * P.vs0 + kh0 * P.vs2;
-  const int span_bytes = kSpan * (kvg * std::min(g, kMaxNH) * 64 + 2 * kvg * D * static_cast<int>(sizeof(T)));
-  const int span = span_bytes <= kMaxSpanBytes ? kSpan : kTile;
   for (int ts = t0; ts < t1; ts += span) {
     const int n = std::min(span, t1 - ts);
     for (int t = 0; t < n; ++t, ++off) {
@@ -770,6 +784,19 @@ void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
       }
       krow[t] = kblk + off * P.ks1;
       vrow[t] = vblk + off * P.vs1;
+      if (ts + t + ahead < t1) {
+        if (poff == bs) {
+          poff = 0;
+          ++pblk;
+          pk = kc + bt[pblk] * P.ks0 + kh0 * P.ks2;
+          pv = vc + bt[pblk] * P.vs0 + kh0 * P.vs2;
+        }
+        kpf[t] = pk + poff * P.ks1;
+        vpf[t] = pv + poff * P.vs1;
+        ++poff;
+      } else {
+        kpf[t] = vpf[t] = nullptr;
+      }
     }
     A.n = n;
     for (int kg = 0; kg < nkv; kg += kvg) {  // kv heads [kg, kg + A.nkv) of the item
@@ -779,12 +806,18 @@ void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
       for (int t = 0; t < n; ++t) {
         krow_g[t] = static_cast<const T*>(krow[t]) + kg * P.ks2;
         vrow_g[t] = static_cast<const T*>(vrow[t]) + kg * P.vs2;
+        kpf_g[t] = kpf[t] ? static_cast<const T*>(kpf[t]) + kg * P.ks2 : nullptr;
+        vpf_g[t] = vpf[t] ? static_cast<const T*>(vpf[t]) + kg * P.vs2 : nullptr;
       }
+      A.pf_bytes = static_cast<int>(D * elt);  // a kv head's part of a row, prefetched by its pass
       for (int j0 = 0; j0 < g; j0 += kMaxNH) {
         const int nh = std::min(kMaxNH, g - j0);
+        A.kpf = j0 == 0 ? kpf_g : nullptr;  // one pass over the kv heads' rows prefetches them
+        A.vpf = j0 == 0 ? vpf_g : nullptr;
         const size_t h = static_cast<size_t>(kg) * g + j0;
-        fns[nh](A, S.qf.data() + h * D, qraw + h * D, S.acc.data() + h * D, S.m.data() + h, S.lsum.data() + h,
-                S.tmp.data());
+        const SpanFn<T> fn = A.nkv == kMaxGroupHeads / nh ? fns_full[nh] : fns[nh];
+        fn(A, S.qf.data() + h * D, qraw + h * D, S.acc.data() + h * D, S.m.data() + h, S.lsum.data() + h,
+           S.tmp.data());
       }
     }
   }
