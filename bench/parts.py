@@ -57,7 +57,7 @@ def main() -> int:
     llama.linear = timed(llama.linear, "linear (layers + LM head)")
     for name in ("decode", "prefill", "write_kv"):
         setattr(runner.attn, name, timed(getattr(runner.attn, name), f"attention.{name}"))
-    for name in ("rms_norm", "rotary", "silu_and_mul"):
+    for name in ("rms_norm", "rotary", "rotary_qkv_to_cache", "silu_and_mul"):
         if hasattr(runner.layer_ops, name):
             setattr(runner.layer_ops, name, timed(getattr(runner.layer_ops, name), f"layer_ops.{name}"))
     runner.model.compute_logits = timed(runner.model.compute_logits, "LM head (compute_logits)")

@@ -69,6 +69,12 @@ class TorchAttention:
         """reshape_and_cache: store each new token's K/V [T, kv_heads, head_dim] at its slot."""
         write_kv(key, value, key_cache, value_cache, slot_mapping)
 
+    def prefill_reads_cache(self, dtype: torch.dtype) -> bool:
+        """Whether ``prefill`` reads every key and value from the cache (its ``k`` / ``v`` arguments
+        unused, so the caller may write them to the cache only and pass None). Not here: the torch
+        path attends a first chunk to the k / v it is given."""
+        return False
+
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         if self.device.type != "cpu":  # the runner builds the metadata on the host
             for name in ("slot_mapping", "decode_block_tables", "decode_seq_lens", "prefill_block_tables"):

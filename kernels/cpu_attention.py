@@ -187,6 +187,9 @@ class CpuAttention(TorchAttention):
         else:
             super().write_kv(key, value, key_cache, value_cache, slot_mapping)
 
+    def prefill_reads_cache(self, dtype: torch.dtype) -> bool:
+        return prefill_supported(dtype)
+
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """The prefill kernel's int32 query offsets, lengths and tables, once per step (every layer
         reuses them). The torch fallback's own metadata is built only if a layer needs it."""

@@ -45,6 +45,14 @@ class TorchLayerOps:
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
+    def rotary_qkv_to_cache(self, qkv: torch.Tensor, rope, num_heads: int, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+        """The fused QKV projection's output [T, (H + 2 kv_heads) D] -> rotary(q) [T, H, D], with
+        rotary(k) and v written straight to their cache slots (rows past len(slot_mapping): q only).
+        None where there is no fused path: the caller then runs ``rotary`` and the backend's
+        ``write_kv``."""
+        return None
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] (the fused gate/up projection) -> silu(gate) * up [T, I]."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -68,6 +76,7 @@ class CpuLayerOps(TorchLayerOps):
         load_extension()
         self._rms_norm = torch.ops.pagoda_cpu.rms_norm.default
         self._rotary = torch.ops.pagoda_cpu.rotary_embedding.default
+        self._rotary_qkv_to_cache = torch.ops.pagoda_cpu.rotary_qkv_to_cache.default
         self._silu_and_mul = torch.ops.pagoda_cpu.silu_and_mul.default
         self._argmax = torch.ops.pagoda_cpu.argmax.default
         self._argmax_vectorized = bool(torch.ops.pagoda_cpu.has_avx512())
@@ -89,6 +98,19 @@ class CpuLayerOps(TorchLayerOps):
         out = torch.empty(x.shape, dtype=x.dtype)
         self._rotary(x, positions, cos_table, sin_table, out)
         return out
+
+    def rotary_qkv_to_cache(self, qkv, rope, num_heads, key_cache, value_cache, slot_mapping):
+        # One pass instead of rotary(q), rotary(k) and reshape_and_cache: no k temporary, one
+        # parallel region instead of three (~90 -> ~50 us a layer in a 256-sequence decode step).
+        positions, cos_table, sin_table, _ = rope
+        if (qkv.dtype not in self._DTYPES or qkv.dim() != 2 or qkv.stride(-1) != 1 or key_cache.dtype != qkv.dtype
+                or key_cache.device.type != "cpu" or not key_cache.is_contiguous()
+                or not value_cache.is_contiguous() or slot_mapping.dtype != torch.int64):
+            return None
+        q = torch.empty((qkv.shape[0], num_heads, key_cache.shape[-1]), dtype=qkv.dtype)
+        self._rotary_qkv_to_cache(qkv, positions, cos_table, sin_table, q, key_cache, value_cache,
+                                  slot_mapping.contiguous())
+        return q
 
     def silu_and_mul(self, gate_up):
         if gate_up.dtype not in self._DTYPES or gate_up.dim() != 2 or gate_up.stride(-1) != 1:

@@ -62,6 +62,59 @@ def test_rotary_matches_torch_exactly(ops, dtype, heads, dim):
     assert torch.equal(out, want)
 
 
+def _rope_tables(dim, max_pos):
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    emb = torch.arange(max_pos).float()[:, None] * inv[None, :]
+    emb = torch.cat((emb, emb), -1)
+    return emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kvh,dim,rows,cached", [(9, 3, 64, 70, 70), (9, 3, 64, 300, 293), (4, 2, 128, 16, 9)])
+def test_rotary_qkv_to_cache_is_rotary_then_reshape_and_cache(ops, dtype, heads, kvh, dim, rows, cached):
+    """The fused op against its parts, bitwise: rotary(q) for every row, rotary(k) and v at their
+    slots for the first `cached` rows only (the rest are GEMM padding), other slots untouched."""
+    from pagoda_kernels.cpu_attention import CpuAttention
+
+    cpu, _ = ops
+    g = torch.Generator().manual_seed(rows + dim)
+    max_pos, blocks, bs = 512, 40, 16
+    cos_t, sin_t = _rope_tables(dim, max_pos)
+    width = (heads + 2 * kvh) * dim
+    qkv = torch.randn(rows, width + 24, generator=g).to(dtype)[:, :width]  # strided rows, as a GEMM view
+    positions = torch.randint(0, max_pos, (rows,), generator=g)
+    slots = torch.randperm(blocks * bs, generator=g)[:cached]
+    rope = cpu.rope_inputs(positions, cos_t, sin_t, dtype)
+    caches = [torch.randn(blocks, bs, kvh, dim, generator=g).to(dtype) for _ in range(2)]
+    kc, vc = caches[0].clone(), caches[1].clone()
+    q = cpu.rotary_qkv_to_cache(qkv, rope, heads, kc, vc, slots)
+
+    q_ref, k, v = qkv.split([heads * dim, kvh * dim, kvh * dim], dim=-1)
+    q_ref = cpu.rotary(q_ref.view(rows, heads, dim), rope)
+    k = cpu.rotary(k.view(rows, kvh, dim), rope)
+    kc_ref, vc_ref = caches[0].clone(), caches[1].clone()
+    CpuAttention().write_kv(k[:cached], v.reshape(rows, kvh, dim)[:cached], kc_ref, vc_ref, slots)
+    assert q.shape == (rows, heads, dim) and q.is_contiguous()
+    assert torch.equal(q, q_ref)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    assert not torch.equal(kc, caches[0])
+
+
+def test_rotary_qkv_to_cache_rejects_bad_slots_and_shapes(ops):
+    cpu, _ = ops
+    cos_t, sin_t = _rope_tables(8, 16)
+    qkv = torch.randn(2, 3 * 8)
+    rope = cpu.rope_inputs(torch.tensor([0, 1]), cos_t, sin_t, torch.float32)
+    kc, vc = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu.rotary_qkv_to_cache(qkv, rope, 1, kc, vc, torch.tensor([0, 8]))
+    with pytest.raises(RuntimeError, match="slot_mapping must be int64"):
+        cpu.rotary_qkv_to_cache(qkv, rope, 1, kc, vc, torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        cpu.rotary_qkv_to_cache(qkv, rope, 2, kc, vc, torch.tensor([0, 1]))
+    assert not kc.any() and not vc.any()  # nothing written before the checks
+
+
 def test_rotary_rejects_positions_outside_the_table(ops):
     cpu, _ = ops
     x = torch.randn(2, 1, 8)

@@ -143,22 +143,29 @@ class LlamaAttention(nn.Module):
         """Attention over the step's rows; with ``keep``, K/V are still written for every row but
         the attention and o_proj run only on ``keep.rows`` (returns [len(keep.index), hidden])."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = ops.rotary(q, rope)
-        k = ops.rotary(k, rope)
+        qkv = self.qkv_proj(x)
         key_cache, value_cache = kv_cache
         # Rows past the step's tokens are padding (LlamaForCausalLM.gemm_row_multiple): no K/V, no attention.
         tr = meta.slot_mapping.shape[0]
-        if tr != t:
-            q, k, v = q[:tr], k[:tr], v[:tr]
-        attn.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        q = k = v = None  # k / v stay None where they live only in the cache (the backend reads them there)
+        if not self.qk_norm and attn.prefill_reads_cache(qkv.dtype):
+            q = ops.rotary_qkv_to_cache(qkv, rope, self.num_heads, key_cache, value_cache, meta.slot_mapping)
+            if q is not None and tr != t:
+                q = q[:tr]
+        if q is None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = ops.rotary(q, rope)
+            k = ops.rotary(k, rope)
+            if tr != t:
+                q, k, v = q[:tr], k[:tr], v[:tr]
+            attn.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         if keep is not None:
-            q, k, v = (a.index_select(0, keep.rows) for a in (q, k, v))
+            q, k, v = (None if a is None else a.index_select(0, keep.rows) for a in (q, k, v))
             t, tr, meta = keep.index.shape[0], keep.rows.shape[0], keep.meta
         nd = meta.num_decode_tokens
         # Decode rows, then prefill rows, then padding rows, written in place (no cat / pad copies).
@@ -166,7 +173,8 @@ class LlamaAttention(nn.Module):
         if nd:
             attn.decode(q[:nd], key_cache, value_cache, meta, self.scale, out=out[:nd])
         if nd < tr:
-            attn.prefill(q[nd:], k[nd:], v[nd:], key_cache, value_cache, meta, self.scale, out=out[nd:tr])
+            kp, vp = (None, None) if k is None else (k[nd:], v[nd:])
+            attn.prefill(q[nd:], kp, vp, key_cache, value_cache, meta, self.scale, out=out[nd:tr])
         if tr != t:
             out[tr:].zero_()
         return self.o_proj(out.view(t, self.q_size))

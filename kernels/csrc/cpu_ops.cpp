@@ -219,31 +219,45 @@ void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride
 }
 
 // out = x * cos + rotate_half(x) * sin per head, cos/sin rows picked by position (float32 tables
-// [P, D], rounded to T first as torch's .to(dtype) does). x: [T, heads, D] (head rows contiguous,
-// token stride free); out: [T, heads, D] contiguous.
+// [P, D], rounded to T first as torch's .to(dtype) does).
+//
+// RowRotator: one token's cos / sin row, rounded once, applied to any number of head runs of that
+// token (x: `heads` rows of `dim` contiguous elements; out likewise).
 template <typename T>
-void rotary_impl(const T* x, int64_t x_stride, T* out, const int64_t* positions, const float* cos_table,
-                 const float* sin_table, int64_t table_stride, int64_t rows, int64_t heads, int64_t dim) {
-  const int64_t half = dim / 2;
+struct RowRotator {
+  int64_t half;
 #if PAGODA_EW_AVX512
-  // The same arithmetic 16 lanes at a time, the row's rounded cos / sin loaded once for all its
-  // heads: 2.1x the auto-vectorized loop below on the q of a 2048-token SmolLM2 step (Zen 4).
-  if (half % 16 == 0 && dim <= 256) {
+  // The same arithmetic 16 lanes at a time: 2.1x the auto-vectorized loop below on the q of a
+  // 2048-token SmolLM2 step (Zen 4).
+  bool vec;
+  int64_t hv;
+  __m512 cr[16], sr[16];
+#endif
+  const float* c;
+  const float* s;
+
+  RowRotator(const float* cos_row, const float* sin_row, int64_t dim) : half(dim / 2), c(cos_row), s(sin_row) {
+#if PAGODA_EW_AVX512
     const T* tag = nullptr;
-    const int64_t hv = half / 16;
-    const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
-#pragma omp parallel for schedule(static) num_threads(threads_for(rows * heads * dim))
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* c = cos_table + positions[r] * table_stride;
-      const float* s = sin_table + positions[r] * table_stride;
-      __m512 cr[16], sr[16];
+    vec = half % 16 == 0 && dim <= 256;
+    hv = half / 16;
+    if (vec)
       for (int64_t v = 0; v < 2 * hv; ++v) {
         cr[v] = round16(_mm512_loadu_ps(c + 16 * v), tag);
         sr[v] = round16(_mm512_loadu_ps(s + 16 * v), tag);
       }
+#endif
+  }
+
+  void apply(const T* x, T* out, int64_t heads) const {
+    const int64_t dim = 2 * half;
+#if PAGODA_EW_AVX512
+    if (vec) {
+      const T* tag = nullptr;
+      const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
       for (int64_t h = 0; h < heads; ++h) {
-        const T* xh = x + r * x_stride + h * dim;
-        T* oh = out + (r * heads + h) * dim;
+        const T* xh = x + h * dim;
+        T* oh = out + h * dim;
         for (int64_t v = 0; v < hv; ++v) {
           const __m512 x1 = load16(xh + 16 * v), x2 = load16(xh + half + 16 * v);
           const __m512 nx2 = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x2), sign));  // -x2, exact
@@ -253,17 +267,12 @@ void rotary_impl(const T* x, int64_t x_stride, T* out, const int64_t* positions,
           store16(oh + half + 16 * v, _mm512_add_ps(a2, b2));
         }
       }
+      return;
     }
-    return;
-  }
 #endif
-#pragma omp parallel for schedule(static) num_threads(threads_for(rows * heads * dim))
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* c = cos_table + positions[r] * table_stride;
-    const float* s = sin_table + positions[r] * table_stride;
     for (int64_t h = 0; h < heads; ++h) {
-      const T* xh = x + r * x_stride + h * dim;
-      T* oh = out + (r * heads + h) * dim;
+      const T* xh = x + h * dim;
+      T* oh = out + h * dim;
 #pragma omp simd
       for (int64_t i = 0; i < half; ++i) {
         const float x1 = load(xh[i]), x2 = load(xh[i + half]);
@@ -274,6 +283,40 @@ void rotary_impl(const T* x, int64_t x_stride, T* out, const int64_t* positions,
         store(a1 + b1, &oh[i]);
         store(a2 + b2, &oh[i + half]);
       }
+    }
+  }
+};
+
+// x: [T, heads, D] (head rows contiguous, token stride free); out: [T, heads, D] contiguous.
+template <typename T>
+void rotary_impl(const T* x, int64_t x_stride, T* out, const int64_t* positions, const float* cos_table,
+                 const float* sin_table, int64_t table_stride, int64_t rows, int64_t heads, int64_t dim) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows * heads * dim))
+  for (int64_t r = 0; r < rows; ++r) {
+    const RowRotator<T> rot(cos_table + positions[r] * table_stride, sin_table + positions[r] * table_stride, dim);
+    rot.apply(x + r * x_stride, out + r * heads * dim, heads);
+  }
+}
+
+// The fused QKV projection's output -> rotary q (q_out), and for the rows with a cache slot the
+// rotary k and the v written straight into their slots of the caches: rotary_embedding of q and of k
+// and reshape_and_cache in one pass (no k temporary, one parallel region instead of three). qkv
+// [T, (H + 2 kvh) D] (row stride free); rows r < Tr = len(slot_mapping) get cached, rows past Tr
+// (GEMM padding) only their q.
+template <typename T>
+void rotary_qkv_cache_impl(const T* qkv, int64_t qkv_stride, T* q_out, T* key_cache, T* value_cache,
+                           const int64_t* slots, int64_t cached_rows, const int64_t* positions, const float* cos_table,
+                           const float* sin_table, int64_t table_stride, int64_t rows, int64_t heads, int64_t kv_heads,
+                           int64_t dim) {
+  const int64_t kv_row = kv_heads * dim;
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows * (heads + 2 * kv_heads) * dim))
+  for (int64_t r = 0; r < rows; ++r) {
+    const RowRotator<T> rot(cos_table + positions[r] * table_stride, sin_table + positions[r] * table_stride, dim);
+    const T* x = qkv + r * qkv_stride;
+    rot.apply(x, q_out + r * heads * dim, heads);
+    if (r < cached_rows) {
+      rot.apply(x + heads * dim, key_cache + slots[r] * kv_row, kv_heads);
+      std::memcpy(value_cache + slots[r] * kv_row, x + (heads + kv_heads) * dim, kv_row * sizeof(T));
     }
   }
 }
@@ -344,6 +387,57 @@ void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at
       break;
     default:
       TORCH_CHECK(false, "rotary_embedding: unsupported dtype ", x.scalar_type());
+  }
+}
+
+// qkv [T, (H + 2 kvh) D] (rows contiguous, row stride free) -> q_out [T, H, D] contiguous = rotary(q);
+// rotary(k) and v into key_cache / value_cache [num_blocks, block_size, kvh, D] (contiguous) at
+// slot_mapping [Tr] (int64, Tr <= T) for rows r < Tr. positions [T] int64.
+void rotary_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_table,
+                         const at::Tensor& sin_table, at::Tensor& q_out, at::Tensor& key_cache, at::Tensor& value_cache,
+                         const at::Tensor& slot_mapping) {
+  TORCH_CHECK(q_out.dim() == 3 && q_out.is_contiguous(), "q_out must be a contiguous [T, H, D] tensor");
+  const int64_t rows = q_out.size(0), heads = q_out.size(1), dim = q_out.size(2);
+  TORCH_CHECK(dim % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  value_cache.sizes() == key_cache.sizes() && key_cache.size(3) == dim,
+              "caches must be contiguous [num_blocks, block_size, kv_heads, ", dim, "] alike");
+  const int64_t kv_heads = key_cache.size(2), num_slots = key_cache.size(0) * key_cache.size(1);
+  check_rows(qkv, "qkv", rows, (heads + 2 * kv_heads) * dim);
+  TORCH_CHECK(qkv.scalar_type() == q_out.scalar_type() && qkv.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(), "qkv, q_out and the caches must share a dtype");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong &&
+                  positions.is_contiguous(), "positions must be int64 [", rows, "]");
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
+                  cos_table.dim() == 2 && cos_table.size(1) == dim && cos_table.stride(1) == 1 &&
+                  sin_table.sizes() == cos_table.sizes() && sin_table.strides() == cos_table.strides(),
+              "cos/sin tables must be float32 [positions, head_dim] alike");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) <= rows && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.is_contiguous(), "slot_mapping must be int64 [Tr], Tr <= ", rows);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos_table.size(0);
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < max_pos, "position ", pos[r], " outside the rotary table [0, ", max_pos, ")");
+  const int64_t cached = slot_mapping.size(0);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t r = 0; r < cached; ++r)
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "slot ", slots[r], " outside the cache [0, ", num_slots, ")");
+  switch (qkv.scalar_type()) {
+    case at::kFloat:
+      rotary_qkv_cache_impl<float>(qkv.data_ptr<float>(), qkv.stride(0), q_out.data_ptr<float>(),
+                                   key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), slots, cached, pos,
+                                   cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), cos_table.stride(0), rows,
+                                   heads, kv_heads, dim);
+      break;
+    case at::kBFloat16:
+      rotary_qkv_cache_impl<bf16_t>(static_cast<const bf16_t*>(qkv.data_ptr()), qkv.stride(0),
+                                    static_cast<bf16_t*>(q_out.data_ptr()), static_cast<bf16_t*>(key_cache.data_ptr()),
+                                    static_cast<bf16_t*>(value_cache.data_ptr()), slots, cached, pos,
+                                    cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), cos_table.stride(0), rows,
+                                    heads, kv_heads, dim);
+      break;
+    default:
+      TORCH_CHECK(false, "rotary_qkv_to_cache: unsupported dtype ", qkv.scalar_type());
   }
 }
 
@@ -568,6 +662,9 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("rotary_embedding(Tensor x, Tensor positions, Tensor cos_table, Tensor sin_table, Tensor(a!) out) -> ()");
   m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(rotary_embedding));
+  m.def("rotary_qkv_to_cache(Tensor qkv, Tensor positions, Tensor cos_table, Tensor sin_table, Tensor(a!) q_out, "
+        "Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping) -> ()");
+  m.impl("rotary_qkv_to_cache", c10::DispatchKey::CPU, TORCH_FN(rotary_qkv_to_cache));
   m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
   m.def("argmax(Tensor x, Tensor(a!) out) -> ()");
