@@ -694,12 +694,44 @@ struct Scratch {
         tmp(static_cast<size_t>(P.kvh) * kMaxNH * kSpan) {}
 };
 
+// Walks an item's context tokens in order from token t, giving each one's K and V rows (at the
+// item's first kv head). A token's block is looked up when the walk reaches it, so a walker may be
+// set on any token but must not be advanced past the sequence's last.
+template <typename T>
+struct RowWalker {
+  const Params& P;
+  const T* kc;
+  const T* vc;
+  const int32_t* bt;
+  int blk, off;
+  const T* kb = nullptr;
+  const T* vb = nullptr;
+
+  RowWalker(const Params& P_, const T* kc_, const T* vc_, const int32_t* bt_, int kh0, int t)
+      : P(P_), kc(kc_ + kh0 * P_.ks2), vc(vc_ + kh0 * P_.vs2), bt(bt_), blk(t / P_.block_size), off(t % P_.block_size) {}
+
+  void next(const void*& k, const void*& v) {
+    if (off == P.block_size) {
+      off = 0;
+      ++blk;
+      kb = nullptr;
+    }
+    if (!kb) {
+      kb = kc + bt[blk] * P.ks0;
+      vb = vc + bt[blk] * P.vs0;
+    }
+    k = kb + off * P.ks1;
+    v = vb + off * P.vs1;
+    ++off;
+  }
+};
+
 // Attend sequence b, kv heads [kh0, kh1), context tokens [t0, t1). Leaves the unnormalized
 // accumulators in S.acc / S.m / S.l for the (kh1 - kh0) * g query heads, in head order.
 template <typename T>
 void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int kh0, int kh1, int t0, int t1,
               Scratch& S) {
-  const int D = P.D, g = P.g, bs = P.block_size;
+  const int D = P.D, g = P.g;
   const int nheads = (kh1 - kh0) * g;
   const T* qb = q + (static_cast<int64_t>(b) * P.H + static_cast<int64_t>(kh0) * g) * D;
   if constexpr (!acc_permuted<T>())
@@ -712,7 +744,6 @@ void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   const int32_t* bt = P.block_tables + static_cast<int64_t>(b) * P.bt_stride;
   const int nkv = kh1 - kh0;
   const int64_t elt = sizeof(T);
-  const int first_blk = t0 / bs;
   // kv heads per span call: the scores of kvg x g heads x kSpan tokens wait in S.tmp for the
   // softmax, so it must stay small (L1).
   const int kvg = std::max(1, std::min(nkv, kMaxGroupHeads / std::min(g, kMaxNH)));
@@ -732,20 +763,12 @@ void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   // other kv heads' calls come between). Llama-8B shapes (4 calls a span; `ahead` would be 6 tokens
   // otherwise), one core: 1.44x.
   const int ahead = std::max(span, kPrefetchBytes / (2 * run));
-  auto k_at = [&](int t) { return kc + bt[t / bs] * P.ks0 + (t % bs) * P.ks1 + kh0 * P.ks2; };
-  auto v_at = [&](int t) { return vc + bt[t / bs] * P.vs0 + (t % bs) * P.vs1 + kh0 * P.vs2; };
+  RowWalker<T> rows(P, kc, vc, bt, kh0, t0), ahead_rows(P, kc, vc, bt, kh0, t0);
   for (int t = t0; t < std::min(t1, t0 + ahead); ++t) {
-    prefetch_range_l2(k_at(t), run);
-    prefetch_range_l2(v_at(t), run);
-  }
-  int pblk = 0, poff = 0;  // block and row of the next token to prefetch (t0 + ahead)
-  const T* pk = nullptr;
-  const T* pv = nullptr;
-  if (t0 + ahead < t1) {
-    pblk = (t0 + ahead) / bs;
-    poff = (t0 + ahead) % bs;
-    pk = kc + bt[pblk] * P.ks0 + kh0 * P.ks2;
-    pv = vc + bt[pblk] * P.vs0 + kh0 * P.vs2;
+    const void *k, *v;
+    ahead_rows.next(k, v);
+    prefetch_range_l2(k, run);
+    prefetch_range_l2(v, run);
   }
   const void* krow[kSpan];
   const void* vrow[kSpan];
@@ -770,33 +793,14 @@ void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   A.nkv = nkv;
   A.g = g;
   A.qscale = P.qscale;
-  int blk = first_blk, off = t0 - first_blk * bs;  // the next token's block and row in it
-  const T* kblk = kc + bt[blk] * P.ks0 + kh0 * P.ks2;
-  const T* vblk = vc + bt[blk] * P.vs0 + kh0 * P.vs2;
   for (int ts = t0; ts < t1; ts += span) {
     const int n = std::min(span, t1 - ts);
-    for (int t = 0; t < n; ++t, ++off) {
-      if (off == bs) {
-        off = 0;
-        ++blk;
-        kblk = kc + bt[blk] * P.ks0 + kh0 * P.ks2;
-        vblk = vc + bt[blk] * P.vs0 + kh0 * P.vs2;
-      }
-      krow[t] = kblk + off * P.ks1;
-      vrow[t] = vblk + off * P.vs1;
-      if (ts + t + ahead < t1) {
-        if (poff == bs) {
-          poff = 0;
-          ++pblk;
-          pk = kc + bt[pblk] * P.ks0 + kh0 * P.ks2;
-          pv = vc + bt[pblk] * P.vs0 + kh0 * P.vs2;
-        }
-        kpf[t] = pk + poff * P.ks1;
-        vpf[t] = pv + poff * P.vs1;
-        ++poff;
-      } else {
+    for (int t = 0; t < n; ++t) {
+      rows.next(krow[t], vrow[t]);
+      if (ts + t + ahead < t1)
+        ahead_rows.next(kpf[t], vpf[t]);  // token ts + t + ahead
+      else
         kpf[t] = vpf[t] = nullptr;
-      }
     }
     A.n = n;
     for (int kg = 0; kg < nkv; kg += kvg) {  // kv heads [kg, kg + A.nkv) of the item
