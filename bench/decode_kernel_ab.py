@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_runner import drive, load_workload, warm_up_pagoda  # noqa: E402
+from engine_runner import drive, load_workload, pagoda_adder, warm_up_pagoda  # noqa: E402
 
 
 def load_cpu_baseline(path: str):
@@ -46,7 +46,7 @@ def main() -> int:
 
     import torch
 
-    from engine_service import LLM, SamplingParams
+    from engine_service import LLM
 
     old_op = load_cpu_baseline(args.old).paged_decode_attention.default
     engine = LLM(dtype=args.dtype).llm_engine
@@ -84,13 +84,7 @@ def main() -> int:
     warm_up_pagoda(engine, requests)
     runner.attn.decode = paired
 
-    def add(r):
-        engine.add_request(str(r["id"]), {"prompt_token_ids": r["prompt_token_ids"]},
-                           SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
-
-    totals.update(new=0.0, old=0.0)
-    state.update(calls=0, mismatches=0)
-    res = drive(engine, add, requests)
+    res = drive(engine, pagoda_adder(engine), requests)
     print(f"{args.dtype} {args.workload}: {res['steps']} steps, {state['calls']} decode attention calls "
           f"(each made by both kernels), {state['mismatches']} with different outputs")
     print(f"decode attention: this checkout {totals['new']:.2f} s, {args.old} {totals['old']:.2f} s: "

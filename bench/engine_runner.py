@@ -57,6 +57,18 @@ def drive(engine, add, requests) -> dict:
             "ttft_mean": sum(ttft) / len(ttft)}
 
 
+def pagoda_adder(engine, detokenize: bool = True):
+    """``drive``'s ``add`` for a Pagoda engine: request r of the workload, greedy, ``ignore_eos``."""
+    from engine_service import SamplingParams
+
+    def add(r):
+        engine.add_request(str(r["id"]), {"prompt_token_ids": r["prompt_token_ids"]},
+                           SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True,
+                                          detokenize=detokenize))
+
+    return add
+
+
 def warm_up_pagoda(engine, requests) -> None:
     """One short request outside the timed region (builds the C++ kernels on first use, faults in
     the KV pages)."""
@@ -70,7 +82,7 @@ def warm_up_pagoda(engine, requests) -> None:
 
 def run_pagoda(args, requests) -> dict:
     sys.path.insert(0, str(ROOT))
-    from engine_service import LLM, SamplingParams
+    from engine_service import LLM
     from engine_service.outputs import RequestOutput  # noqa: F401  (same shape as vLLM's)
 
     opts = {}
@@ -81,13 +93,8 @@ def run_pagoda(args, requests) -> dict:
     llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, matmul_dtype=args.matmul_dtype, **opts)
     engine = llm.llm_engine
 
-    def add(r):
-        engine.add_request(str(r["id"]), {"prompt_token_ids": r["prompt_token_ids"]},
-                           SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True,
-                                          detokenize=args.detokenize))
-
     warm_up_pagoda(engine, requests)
-    res = drive(engine, add, requests)
+    res = drive(engine, pagoda_adder(engine, args.detokenize), requests)
     res["engine"] = f"pagoda (matmul {str(llm.llm_engine.runner.matmul_dtype).removeprefix('torch.')})"
     if args.num_speculative_tokens:
         res["engine"] += f" + ngram spec {args.num_speculative_tokens}"

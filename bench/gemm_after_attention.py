@@ -20,6 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from decode_fixture import HEAD_DIM, HEADS, decode_inputs, linear, packed_weight  # noqa: E402
 
 
 def main() -> int:
@@ -32,39 +35,20 @@ def main() -> int:
 
     import torch
 
-    from engine_service.cpu_malloc import advise_huge_pages
     from pagoda_kernels.cpu_attention import paged_decode_attention
     from pagoda_kernels.layer_ops import CpuLayerOps
 
     torch.manual_seed(0)
-    b, bs, kvh, h, d, nl = args.batch, 64, 3, 9, 64, args.layers
-    nblk = -(-args.context // bs)
-    blocks = b * nblk
-
-    def cache():
-        t = torch.empty(blocks, bs, kvh, d, dtype=torch.bfloat16)
-        advise_huge_pages(t)
-        return t.copy_(torch.randn(blocks, bs, kvh, d))
-
-    caches = [(cache(), cache()) for _ in range(nl)]
-    tables = torch.randperm(blocks).to(torch.int32).view(b, nblk)
-    lens = torch.full((b,), args.context, dtype=torch.int32)
-    q = torch.randn(b, h, d).bfloat16()
-
-    def packed(n, k):
-        return torch.ops.mkldnn._reorder_linear_weight((torch.randn(n, k) * 0.05).bfloat16(), 256)
-
-    w_o = [packed(576, 576) for _ in range(nl)]
-    w_other = packed(576, 576)
+    b, nl = args.batch, args.layers
+    caches, tables, lens, q = decode_inputs(b, args.context, nl)
+    w_o = [packed_weight(576, 576) for _ in range(nl)]
+    w_other = packed_weight(576, 576)
     ops = CpuLayerOps()
     xs, wn = torch.randn(512, 576).bfloat16(), torch.ones(576).bfloat16()
 
-    def gemm(x, w):
-        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
     def attend(layer):
         kc, vc = caches[layer % nl]
-        return paged_decode_attention(q, kc, vc, tables, lens, 0.125).view(b, h * d)
+        return paged_decode_attention(q, kc, vc, tables, lens, 0.125).view(b, HEADS * HEAD_DIM)
 
     def timed(fn):
         t = time.perf_counter()
@@ -85,14 +69,14 @@ def main() -> int:
                 o = attend(layer)
 
             row.append(timed(run_attention))
-            row.append(timed(lambda: gemm(o, w_o[layer])))
-            row.append(timed(lambda: gemm(o, w_o[layer])))
+            row.append(timed(lambda: linear(o, w_o[layer])))
+            row.append(timed(lambda: linear(o, w_o[layer])))
             o = attend(layer + 1)
-            row.append(timed(lambda: gemm(o[:8], w_other)))
-            row.append(timed(lambda: gemm(o, w_o[layer])))
+            row.append(timed(lambda: linear(o[:8], w_other)))
+            row.append(timed(lambda: linear(o, w_o[layer])))
             o = attend(layer + 2)
             row.append(timed(lambda: ops.rms_norm(xs, None, wn, 1e-5)))
-            row.append(timed(lambda: gemm(o, w_o[layer])))
+            row.append(timed(lambda: linear(o, w_o[layer])))
             if rep:  # the first round warms everything up
                 for n, t in zip(names, row):
                     times[n].append(t)

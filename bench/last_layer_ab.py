@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_runner import drive, load_workload, warm_up_pagoda  # noqa: E402
+from engine_runner import drive, load_workload, pagoda_adder, warm_up_pagoda  # noqa: E402
 
 
 def main() -> int:
@@ -30,7 +30,7 @@ def main() -> int:
     ap.add_argument("--workload", default="W", choices=["W", "W-small"])
     args = ap.parse_args()
 
-    from engine_service import LLM, SamplingParams
+    from engine_service import LLM
 
     requests = load_workload(args.workload)
     engine = LLM(dtype=args.dtype, max_num_seqs=256).llm_engine
@@ -55,11 +55,7 @@ def main() -> int:
 
     runner.execute = paired
 
-    def add(r):
-        engine.add_request(str(r["id"]), {"prompt_token_ids": r["prompt_token_ids"]},
-                           SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
-
-    drive(engine, add, requests)
+    drive(engine, pagoda_adder(engine), requests)
     print(f"{args.dtype} {args.workload}: {steps[0]} steps with prefill rows (each run both ways), "
           f"{steps[1]} decode-only steps")
     print(f"full last layer {seconds[False]:.2f} s, sampled rows only {seconds[True]:.2f} s: "

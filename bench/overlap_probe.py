@@ -18,38 +18,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-B, CTX, BS, KVH, H, D, LAYERS = 256, 448, 64, 3, 9, 64, 8
+from decode_fixture import HEAD_DIM, HEADS, decode_inputs, linear, packed_weight  # noqa: E402
+
+B, CTX, LAYERS = 256, 448, 8
 
 
 def main() -> int:
     import torch
 
-    from engine_service.cpu_malloc import advise_huge_pages
     from pagoda_kernels.cpu_attention import paged_decode_attention
 
     torch.manual_seed(0)
-    nblk = CTX // BS
-    blocks = B * nblk
-
-    def cache():
-        t = torch.empty(blocks, BS, KVH, D, dtype=torch.bfloat16)
-        advise_huge_pages(t)
-        return t.copy_(torch.randn(blocks, BS, KVH, D))
-
-    caches = [(cache(), cache()) for _ in range(LAYERS)]
-    tables = torch.randperm(blocks).to(torch.int32).view(B, nblk)
-    lens = torch.full((B,), CTX, dtype=torch.int32)
-    q = torch.randn(B, H, D).bfloat16()
-
-    def packed(n, k):
-        return torch.ops.mkldnn._reorder_linear_weight((torch.randn(n, k) * 0.05).bfloat16(), 128)
-
+    caches, tables, lens, q = decode_inputs(B, CTX, LAYERS)
     # o_proj, gate/up, down, qkv of each layer
-    weights = [[packed(576, 576), packed(3072, 576), packed(576, 1536), packed(960, 576)] for _ in range(LAYERS)]
-
-    def linear(x, w):
-        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    shapes = [(576, 576), (3072, 576), (576, 1536), (960, 576)]
+    weights = [[packed_weight(n, k) for n, k in shapes] for _ in range(LAYERS)]
 
     def gemms(layer, rows):
         wo, wgu, wd, wqkv = weights[layer]
@@ -59,7 +44,7 @@ def main() -> int:
 
     def attention(layer, rows: slice, threads):
         kc, vc = caches[layer]
-        out = torch.empty(rows.stop - rows.start, H, D, dtype=torch.bfloat16)
+        out = torch.empty(rows.stop - rows.start, HEADS, HEAD_DIM, dtype=torch.bfloat16)
         torch.ops.pagoda_cpu.paged_decode_attention(q[rows].contiguous(), kc, vc, tables[rows].contiguous(),
                                                     lens[rows].contiguous(), 0.125, out, threads)
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_runner import drive, load_workload, warm_up_pagoda  # noqa: E402
+from engine_runner import drive, load_workload, pagoda_adder, warm_up_pagoda  # noqa: E402
 
 
 def main() -> int:
@@ -34,7 +34,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import engine_service.models.llama as llama
-    from engine_service import LLM, SamplingParams
+    from engine_service import LLM
 
     requests = load_workload(args.workload)
     engine = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -69,11 +69,7 @@ def main() -> int:
     seconds.clear()
     calls.clear()
 
-    def add(r):
-        engine.add_request(str(r["id"]), {"prompt_token_ids": r["prompt_token_ids"]},
-                           SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
-
-    res = drive(engine, add, requests)
+    res = drive(engine, pagoda_adder(engine), requests)
     elapsed, steps = res["elapsed"], res["steps"]
     out_tokens = sum(r["max_tokens"] for r in requests)
     print(f"{args.dtype} {args.workload}: {elapsed:.1f} s, {out_tokens / elapsed:.1f} output tok/s, {steps} steps")
