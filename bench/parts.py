@@ -31,13 +31,14 @@ def main() -> int:
     ap.add_argument("--workload", default="W", choices=["W", "W-small"])
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--num-speculative-tokens", type=int, default=0, help="prompt-lookup drafts per step (0: off)")
+    ap.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
     args = ap.parse_args()
 
     import engine_service.models.llama as llama
     from engine_service import LLM
 
     requests = load_workload(args.workload)
-    engine = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    engine = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                  num_speculative_tokens=args.num_speculative_tokens).llm_engine
     runner = engine.runner
     seconds: dict[str, float] = collections.defaultdict(float)
