@@ -273,24 +273,24 @@ def _gemm_rows_depend_on_row_count(model, max_rows: int) -> bool:
     return False
 
 
-@pytest.fixture
-def gemms_in_fixed_row_slices(monkeypatch):
+def _multiply_in_fixed_row_slices(monkeypatch) -> None:
     """Make every linear layer multiply its input 8 rows at a time (each slice a call of its own),
     so that a row's result no longer depends on the call's row count."""
     import engine_service.models.llama as llama
+
+    linear = llama.linear
 
     def sliced(x, weight, bias=None, packed=False):
         if x.shape[0] <= 8:
             return linear(x, weight, bias, packed)
         return torch.cat([linear(x[i:i + 8], weight, bias, packed) for i in range(0, x.shape[0], 8)])
 
-    linear = llama.linear
-    return lambda: monkeypatch.setattr(llama, "linear", sliced)
+    monkeypatch.setattr(llama, "linear", sliced)
 
 
 @pytest.mark.parametrize("model,dtype", [("tiny", "float32"), ("tiny", "bfloat16"), ("bundled", "bfloat16")])
 def test_last_layer_on_sampled_rows_only_gives_the_same_logits(tiny_llama_dir, bundled_dir, prompts, model,
-                                                               dtype, gemms_in_fixed_row_slices):
+                                                               dtype, monkeypatch):
     """The last layer runs attention, o_proj and MLP only on the rows that are sampled: every
     step's logits are bitwise those of the full last layer, with chunked prefill, decodes, forks
     (n = 2) and speculative chunks in the same steps.
@@ -302,7 +302,7 @@ def test_last_layer_on_sampled_rows_only_gives_the_same_logits(tiny_llama_dir, b
     llm = LLM(tiny_llama_dir if model == "tiny" else bundled_dir, dtype=dtype, max_num_batched_tokens=40,
               num_speculative_tokens=3, max_model_len=512, seed=0, enable_prefix_caching=False)
     if _gemm_rows_depend_on_row_count(llm.llm_engine.runner.model, max_rows=48):
-        gemms_in_fixed_row_slices()
+        _multiply_in_fixed_row_slices(monkeypatch)
     ps = [p * 3 for p in prompts[:6]]  # repeats give the prompt-lookup drafts matches
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) if i % 3 else
               SamplingParams(temperature=0.8, n=2, seed=i, max_tokens=12, ignore_eos=True) for i in range(len(ps))]
