@@ -51,13 +51,18 @@ class ModelRunner:
             self.model.set_matmul_dtype(self.matmul_dtype)
         self.model.rope_cos, self.model.rope_sin = self.model.rope_cos.float(), self.model.rope_sin.float()
         self.model.eval().requires_grad_(False)
-        # CPU GEMMs on weights blocked once for oneDNN (see pack_cpu_weight).
-        self.packed_weights = self.device.type == "cpu" and self.model.pack_weights(config.max_num_seqs)
-        logger.info("model loaded in %.2f s%s", time.perf_counter() - t0,
-                    " (GEMM weights packed for oneDNN)" if self.packed_weights else "")
+        self.layer_ops = get_layer_ops(self.device, config.attention_backend)
+        # CPU GEMMs on weights blocked once for oneDNN (see pack_cpu_weight), and with AMX the bf16
+        # layers' smaller and fused GEMMs on weights packed for its tiles (EngineConfig.cpu_amx_gemm).
+        self.amx_gemm = (self.device.type == "cpu" and config.cpu_amx_gemm and self.layer_ops.amx_gemm
+                         and self.dtype == torch.bfloat16 and self.matmul_dtype == torch.bfloat16)
+        self.packed_weights = self.device.type == "cpu" and self.model.pack_weights(
+            config.max_num_seqs, amx_ops=self.layer_ops if self.amx_gemm else None)
+        logger.info("model loaded in %.2f s%s%s", time.perf_counter() - t0,
+                    " (GEMM weights packed for oneDNN)" if self.packed_weights else "",
+                    " (and for AMX tiles)" if self.amx_gemm else "")
         self.vocab_size = model_config.vocab_size
         self.attn = get_attention_backend(config.attention_backend, self.device)
-        self.layer_ops = get_layer_ops(self.device, config.attention_backend)
         head_dim = self.model.layers[0].self_attn.head_dim
         shape = (model_config.num_hidden_layers, 2, config.num_kv_blocks, config.block_size,
                  model_config.num_key_value_heads, head_dim)

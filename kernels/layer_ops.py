@@ -23,6 +23,7 @@ class TorchLayerOps:
     """Plain torch ops, in transformers' order (the reference)."""
 
     name = "torch"
+    amx_gemm = False  # CpuLayerOps on a CPU with AMX-BF16: the amx_* GEMMs below
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
@@ -80,6 +81,10 @@ class CpuLayerOps(TorchLayerOps):
         self._silu_and_mul = torch.ops.pagoda_cpu.silu_and_mul.default
         self._argmax = torch.ops.pagoda_cpu.argmax.default
         self._argmax_vectorized = bool(torch.ops.pagoda_cpu.has_avx512())
+        self.amx_gemm = bool(torch.ops.pagoda_cpu.amx_gemm_supported())
+        self._amx_linear = torch.ops.pagoda_cpu.amx_linear.default
+        self._amx_linear_silu_mul = torch.ops.pagoda_cpu.amx_linear_silu_mul.default
+        self._amx_linear_rotary_to_cache = torch.ops.pagoda_cpu.amx_linear_rotary_to_cache.default
 
     def rms_norm(self, x, residual, weight, eps):
         if x.dtype not in self._DTYPES or x.dim() != 2 or x.stride(-1) != 1 or weight.dtype != x.dtype:
@@ -128,6 +133,41 @@ class CpuLayerOps(TorchLayerOps):
         out = torch.empty(logits.shape[0], dtype=torch.long)
         self._argmax(logits, out)
         return out
+
+
+    # ---- bf16 GEMMs on AMX tiles (amx_gemm only; csrc/cpu_ops.cpp) ------------------------------
+
+    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] bf16 (N a multiple of 64, K even) in the tiles' layout, for the amx_* GEMMs."""
+        return torch.ops.pagoda_cpu.amx_pack_weight(weight.contiguous())
+
+    def amx_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ weight.T, rounded to bf16; a row's result does not depend on M."""
+        out = torch.empty((x.shape[0], packed.shape[0] * packed.shape[2]), dtype=x.dtype)
+        self._amx_linear(x, packed, out)
+        return out
+
+    def amx_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul(x @ gate_up.T) in one pass; ``packed``: the gate/up weight with its 64-row
+        blocks interleaved (``interleave_gate_up``) before ``amx_pack``."""
+        out = torch.empty((x.shape[0], packed.shape[0] // 2 * packed.shape[2]), dtype=x.dtype)
+        self._amx_linear_silu_mul(x, packed, out)
+        return out
+
+    def amx_linear_rotary_qkv_to_cache(self, x, packed, rope, num_heads, key_cache, value_cache, slot_mapping):
+        """rotary_qkv_to_cache(x @ qkv.T, ...) in one pass (head_dim 64): returns rotary(q) [M, H, 64]."""
+        positions, cos_table, sin_table, _ = rope
+        q = torch.empty((x.shape[0], num_heads, key_cache.shape[-1]), dtype=x.dtype)
+        self._amx_linear_rotary_to_cache(x, packed, positions, cos_table, sin_table, q, key_cache, value_cache,
+                                         slot_mapping.contiguous())
+        return q
+
+
+def interleave_gate_up(weight: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """The fused [gate; up] weight [2I, K] with gate rows block i at 2i and up rows block i at 2i + 1,
+    so one thread's pair of blocks gives it the gate and up of the same output columns."""
+    two_i, k = weight.shape
+    return weight.view(2, two_i // 2 // block, block, k).transpose(0, 1).reshape(two_i, k).contiguous()
 
 
 def get_layer_ops(device: torch.device, attention_backend: str = "auto") -> TorchLayerOps:

@@ -181,3 +181,78 @@ def test_argmax_matches_torch_max_indices(ops, dtype, rows, vocab):
     assert got.dtype == torch.long and got.shape == (rows,)
     assert torch.equal(got, want), (got[got != want][:5], want[got != want][:5])
     assert torch.equal(ref.argmax(logits), want)
+
+
+# ---- bf16 GEMMs on AMX tiles (CPUs with AMX-BF16 only) ----------------------------------------
+
+def _amx_ops(ops):
+    cpu, _ = ops
+    if not cpu.amx_gemm:
+        pytest.skip("this CPU has no AMX-BF16 (the engine uses oneDNN's GEMMs here)")
+    return cpu
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (128, 64)])
+def test_amx_linear_is_close_to_float64_and_row_count_invariant(ops, n, k):
+    """Each row rounded once from an fp32 accumulation, and the same bits whether the call has 1,
+    40 or 600 rows (more than one 256-row slice)."""
+    cpu = _amx_ops(ops)
+    g = torch.Generator().manual_seed(n + k)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(torch.bfloat16)
+    packed = cpu.amx_pack(w)
+    x = torch.randn(600, k, generator=g).to(torch.bfloat16)
+    full = cpu.amx_linear(x, packed)
+    assert full.shape == (600, n) and full.dtype == torch.bfloat16
+    want = x.double() @ w.double().T
+    assert ((full.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-2).all()
+    for rows in (1, 40, 257):
+        assert torch.equal(cpu.amx_linear(x[-rows:].contiguous(), packed), full[-rows:])
+
+
+@pytest.mark.parametrize("rows", [1, 40, 300])
+def test_amx_linear_silu_mul_is_the_gemm_then_silu_and_mul(ops, rows):
+    from pagoda_kernels.layer_ops import interleave_gate_up
+
+    cpu = _amx_ops(ops)
+    g = torch.Generator().manual_seed(rows)
+    inter, k = 256, 576
+    w = (0.05 * torch.randn(2 * inter, k, generator=g)).to(torch.bfloat16)
+    x = (3 * torch.randn(rows, k, generator=g)).to(torch.bfloat16)
+    got = cpu.amx_linear_silu_mul(x, cpu.amx_pack(interleave_gate_up(w)))
+    want = cpu.silu_and_mul(cpu.amx_linear(x, cpu.amx_pack(w)))
+    assert got.shape == (rows, inter) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows,cached", [(8, 8), (300, 293)])
+def test_amx_linear_rotary_qkv_to_cache_is_the_gemm_then_rotary_qkv_to_cache(ops, rows, cached):
+    """Bitwise the unfused pair: rotary(q) for every row, rotary(k) and v in their slots for the
+    first `cached` rows (the rest are GEMM padding), every other slot untouched."""
+    cpu = _amx_ops(ops)
+    g = torch.Generator().manual_seed(rows)
+    heads, kvh, dim, k, max_pos, blocks, bs = 9, 3, 64, 576, 512, 40, 16
+    cos_t, sin_t = _rope_tables(dim, max_pos)
+    w = (0.05 * torch.randn((heads + 2 * kvh) * dim, k, generator=g)).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    positions = torch.randint(0, max_pos, (rows,), generator=g)
+    slots = torch.randperm(blocks * bs, generator=g)[:cached]
+    rope = cpu.rope_inputs(positions, cos_t, sin_t, torch.bfloat16)
+    caches = [torch.randn(blocks, bs, kvh, dim, generator=g).to(torch.bfloat16) for _ in range(2)]
+    kc, vc, kc_ref, vc_ref = caches[0].clone(), caches[1].clone(), caches[0].clone(), caches[1].clone()
+    q = cpu.amx_linear_rotary_qkv_to_cache(x, cpu.amx_pack(w), rope, heads, kc, vc, slots)
+    q_ref = cpu.rotary_qkv_to_cache(cpu.amx_linear(x, cpu.amx_pack(w)), rope, heads, kc_ref, vc_ref, slots)
+    assert q.shape == (rows, heads, dim) and torch.equal(q, q_ref)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref) and not torch.equal(kc, caches[0])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu.amx_linear_rotary_qkv_to_cache(x, cpu.amx_pack(w), rope, heads, kc, vc,
+                                           torch.full((cached,), blocks * bs))
+
+
+def test_amx_gemms_reject_bad_shapes(ops):
+    cpu = _amx_ops(ops)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        cpu.amx_pack(torch.zeros(100, 64, dtype=torch.bfloat16))
+    packed = cpu.amx_pack(torch.zeros(64, 32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K = 48"):
+        cpu.amx_linear(torch.zeros(2, 48, dtype=torch.bfloat16), packed)
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu.amx_linear(torch.zeros(2, 32), packed)

@@ -14,9 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda_kernels.attention import AttentionMetadata
-from pagoda_kernels.layer_ops import TorchLayerOps
+from pagoda_kernels.layer_ops import TorchLayerOps, interleave_gate_up
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# Most rows a plain linear layer multiplies on AMX tiles (``pack_weights(amx_ops=...)``); above, oneDNN's
+# packed GEMM is faster (2-core Xeon, SmolLM2 shapes: AMX 1.1-2.5x faster up to ~1024 rows, 0.7-0.9x
+# at 2048; bench/RESULTS.md). The gate/up GEMM with silu * up fused runs on AMX at every row count.
+AMX_MAX_ROWS = 1024
 
 
 def pack_cpu_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
@@ -55,9 +60,25 @@ class Linear(nn.Linear):
     After ``pack()`` (CPU) the weight lives only in oneDNN's blocked layout (``pack_cpu_weight``)."""
 
     packed_weight: torch.Tensor | None = None
+    amx_weight: torch.Tensor | None = None  # pack_amx: the weight for ops.amx_linear
+    amx_ops = None
+
+    def amx_packable(self) -> bool:
+        return (self.bias is None and self.weight.dtype == torch.bfloat16 and self.out_features % 64 == 0
+                and self.in_features % 2 == 0)
+
+    def pack_amx(self, ops) -> bool:
+        """Also keep the weight in the AMX tiles' layout: ``forward`` multiplies up to
+        ``AMX_MAX_ROWS`` rows with ``ops.amx_linear``. False if the layer does not qualify."""
+        if not self.amx_packable():
+            return False
+        self.amx_weight, self.amx_ops = ops.amx_pack(self.weight), ops
+        return True
 
     def pack(self, batch_hint: int) -> bool:
         """Reorder the weight for oneDNN once and drop the plain copy; False if not possible."""
+        if self.weight.numel() == 0:
+            return True  # the weight lives elsewhere only (LlamaMLP.pack_amx): nothing to pack
         packed = pack_cpu_weight(self.weight, batch_hint)
         if packed is None:
             return False
@@ -67,6 +88,8 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx_weight is not None and x.shape[0] <= AMX_MAX_ROWS and x.dtype == torch.bfloat16:
+            return self.amx_ops.amx_linear(x, self.amx_weight)
         if self.packed_weight is not None:
             return linear(x, self.packed_weight, self.bias, packed=True)
         return linear(x, self.weight, self.bias)
@@ -143,15 +166,21 @@ class LlamaAttention(nn.Module):
         """Attention over the step's rows; with ``keep``, K/V are still written for every row but
         the attention and o_proj run only on ``keep.rows`` (returns [len(keep.index), hidden])."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
         key_cache, value_cache = kv_cache
         # Rows past the step's tokens are padding (LlamaForCausalLM.gemm_row_multiple): no K/V, no attention.
         tr = meta.slot_mapping.shape[0]
         q = k = v = None  # k / v stay None where they live only in the cache (the backend reads them there)
-        if not self.qk_norm and attn.prefill_reads_cache(qkv.dtype):
-            q = ops.rotary_qkv_to_cache(qkv, rope, self.num_heads, key_cache, value_cache, meta.slot_mapping)
-            if q is not None and tr != t:
-                q = q[:tr]
+        fused = not self.qk_norm and attn.prefill_reads_cache(x.dtype)
+        if fused and self.qkv_proj.amx_weight is not None and self.head_dim == 64 and t <= AMX_MAX_ROWS:
+            q = self.qkv_proj.amx_ops.amx_linear_rotary_qkv_to_cache(
+                x, self.qkv_proj.amx_weight, rope, self.num_heads, key_cache, value_cache, meta.slot_mapping)
+            qkv = None
+        else:
+            qkv = self.qkv_proj(x)
+            if fused:
+                q = ops.rotary_qkv_to_cache(qkv, rope, self.num_heads, key_cache, value_cache, meta.slot_mapping)
+        if q is not None and tr != t:
+            q = q[:tr]
         if q is None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, self.num_heads, self.head_dim)
@@ -186,8 +215,21 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_amx: torch.Tensor | None = None  # pack_amx
+        self.amx_ops = None
+
+    def pack_amx(self, ops) -> bool:
+        """gate/up on AMX tiles with silu * up fused (``ops.amx_linear_silu_mul``) at every row
+        count: the weight is kept only in that layout. False if the layer does not qualify."""
+        if not self.gate_up_proj.amx_packable() or self.intermediate_size % 64:
+            return False
+        self.gate_up_amx, self.amx_ops = ops.amx_pack(interleave_gate_up(self.gate_up_proj.weight)), ops
+        self.gate_up_proj.weight = nn.Parameter(self.gate_up_proj.weight.new_empty(0), requires_grad=False)
+        return True
 
     def forward(self, x: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
+        if self.gate_up_amx is not None:
+            return self.down_proj(self.amx_ops.amx_linear_silu_mul(x, self.gate_up_amx))
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -289,9 +331,17 @@ class LlamaForCausalLM(nn.Module):
             logits = linear(hidden, weight)
         return logits[:n]
 
-    def pack_weights(self, batch_hint: int) -> bool:
+    def pack_weights(self, batch_hint: int, amx_ops=None) -> bool:
         """Reorder every GEMM weight (the LM head included) into oneDNN's blocked layout once
-        (``pack_cpu_weight``); the plain copies are dropped. False where oneDNN is not available."""
+        (``pack_cpu_weight``); the plain copies are dropped. False where oneDNN is not available.
+
+        ``amx_ops`` (layer ops with ``amx_gemm``): the decoder layers' bf16 weights are also packed
+        for AMX tiles (``Linear.pack_amx``, ``LlamaMLP.pack_amx``: gate/up only there)."""
+        if amx_ops is not None and amx_ops.amx_gemm:
+            for layer in self.layers:
+                layer.mlp.pack_amx(amx_ops)
+                for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+                    proj.pack_amx(amx_ops)
         if self.tie_word_embeddings:
             weight = self.embed_tokens_matmul_weight if self.embed_tokens_matmul_weight is not None \
                 else self.embed_tokens.weight

@@ -12,7 +12,11 @@
 // The only difference from torch can be the last bit of the RMSNorm mean (see rms_norm_impl).
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
+
+#include <cpuid.h>
 
 #include <omp.h>
 
@@ -653,6 +657,194 @@ void argmax(const at::Tensor& x, at::Tensor& out) {
   }
 }
 
+
+// ---- bf16 GEMMs on AMX tiles (torch's cpublas::brgemm, oneDNN's micro-kernel) ------------------
+// y = x @ W^T for bf16 x [M, K] and a weight packed once (amx_pack_weight: [N/64][K/2][64][2], 64
+// output columns per block in the VNNI pair layout the tiles read). Each thread takes a run of
+// column blocks and multiplies every 256-row slice of x by each, so a weight block is read once per
+// slice and a row's value never depends on how many rows the call has (oneDNN's own AMX GEMM picks
+// another K order at 40-512 rows than at 8-32 or 1024+). Against oneDNN's packed linear on a 2-core
+// Xeon: 1.1-2.5x faster from 8 to ~1024 rows, above that slower (bench/RESULTS.md) — the model
+// calls it below that (llama.AMX_MAX_ROWS) and everywhere for the two fused forms:
+//   amx_linear_silu_mul: gate/up blocks interleaved, the epilogue writes silu(gate) * up;
+//   amx_linear_rotary_to_cache: one block per head of the fused QKV output, the epilogue writes
+//     rotary(q), and rotary(k) and v straight into their cache slots.
+// Each fused form gives bitwise what amx_linear followed by the unfused op gives.
+constexpr int64_t kGemmBlockN = 64;
+constexpr int64_t kGemmBlockM = 256;
+
+bool amx_gemm_supported() {
+#if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool amx = (d >> 22 & 1) && (d >> 24 & 1);  // AMX-BF16, AMX-TILE
+    return amx && at::native::cpublas::could_pack(at::kBFloat16);
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+at::Tensor amx_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(amx_gemm_supported(), "amx_pack_weight: this CPU has no AMX-BF16 GEMM");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "weight must be bf16 [N, K]");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n % kGemmBlockN == 0 && k % 2 == 0, "weight [", n, ", ", k, "]: N must be a multiple of ",
+              kGemmBlockN, " and K even");
+  const at::Tensor wt = weight.t().contiguous();  // [K, N]: B of x @ B
+  at::Tensor out = at::empty({n / kGemmBlockN, k / 2, kGemmBlockN, 2}, weight.options());
+  const auto* src = static_cast<const at::BFloat16*>(wt.data_ptr());
+  auto* dst = static_cast<at::BFloat16*>(out.data_ptr());
+  for (int64_t nb = 0; nb < n / kGemmBlockN; ++nb)
+    at::native::cpublas::pack(k, kGemmBlockN, n, kGemmBlockN, at::kBFloat16, at::kBFloat16, src + nb * kGemmBlockN,
+                              dst + nb * k * kGemmBlockN);
+  return out;
+}
+
+#if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
+// The GEMM output rounded to bf16 as oneDNN rounds it (vcvtneps2bf16).
+inline __m256i gemm_round16(const float* c) { return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c)); }
+inline __m512 bits_to_f32(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+
+// Runs x [M, K] against `groups` groups of `group` consecutive column blocks of the packed weight;
+// epilogue(row0, rows, g, c) gets the fp32 products of rows row0.. with group g, c[b][r][64].
+template <typename Epilogue>
+void amx_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group, Epilogue&& epilogue) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t groups = packed.size(0) / group;
+  if (m == 0) return;
+  const auto* a = static_cast<const at::BFloat16*>(x.data_ptr());
+  const auto* b = static_cast<const at::BFloat16*>(packed.data_ptr());
+  const int64_t lda = x.stride(0), block = k * kGemmBlockN;
+  const int nt = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), groups));
+#pragma omp parallel num_threads(nt)
+  {
+    static thread_local std::vector<float> buf;
+    buf.resize(group * kGemmBlockM * kGemmBlockN);
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t g0 = groups * t / n, g1 = groups * (t + 1) / n;
+    for (int64_t r0 = 0; r0 < m; r0 += kGemmBlockM) {
+      const int64_t rows = std::min(kGemmBlockM, m - r0);
+      for (int64_t g = g0; g < g1; ++g) {
+        for (int64_t j = 0; j < group; ++j)
+          at::native::cpublas::brgemm(rows, kGemmBlockN, k, lda, kGemmBlockN, kGemmBlockN, false, a + r0 * lda,
+                                      b + (g * group + j) * block, buf.data() + j * kGemmBlockM * kGemmBlockN, true);
+        epilogue(r0, rows, g, buf.data());
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  }
+}
+#endif
+
+void check_gemm(const at::Tensor& x, const at::Tensor& packed, const char* name) {
+  TORCH_CHECK(amx_gemm_supported(), name, ": this CPU has no AMX-BF16 GEMM");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, name,
+              ": x must be bf16 [M, K] with contiguous rows");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(1) * 2 == x.size(1) && packed.size(2) == kGemmBlockN && packed.size(3) == 2,
+              name, ": packed must come from amx_pack_weight for K = ", x.size(1));
+}
+
+void amx_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
+  check_gemm(x, packed, "amx_linear");
+  const int64_t n = packed.size(0) * kGemmBlockN;
+  check_rows(out, "out", x.size(0), n);
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16, "out must be bf16");
+#if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
+  auto* o = static_cast<bf16_t*>(out.data_ptr());
+  const int64_t ldo = out.stride(0);
+  amx_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < kGemmBlockN; j += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (r0 + r) * ldo + g * kGemmBlockN + j),
+                            gemm_round16(c + r * kGemmBlockN + j));
+  });
+#endif
+}
+
+// packed: the fused gate/up weight with its 64-column blocks interleaved (gate block i at 2i, up
+// block i at 2i + 1); out [M, I] = silu(gate) * up as silu_and_mul computes it from the bf16 GEMM output.
+void amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
+  check_gemm(x, packed, "amx_linear_silu_mul");
+  TORCH_CHECK(packed.size(0) % 2 == 0, "amx_linear_silu_mul: packed must hold gate / up block pairs");
+  const int64_t inter = packed.size(0) / 2 * kGemmBlockN;
+  check_rows(out, "out", x.size(0), inter);
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16, "out must be bf16");
+#if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
+  const uint16_t* table = silu_bf16_table();
+  auto* o = static_cast<bf16_t*>(out.data_ptr());
+  const int64_t ldo = out.stride(0);
+  amx_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
+    const float* cu = c + kGemmBlockM * kGemmBlockN;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < kGemmBlockN; j += 16) {
+        const __m512i idx = _mm512_cvtepu16_epi32(gemm_round16(c + r * kGemmBlockN + j));
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(idx, table, 2), 16));
+        store16(o + (r0 + r) * ldo + g * kGemmBlockN + j,
+                _mm512_mul_ps(s, bits_to_f32(gemm_round16(cu + r * kGemmBlockN + j))));
+      }
+  });
+#endif
+}
+
+// packed: the fused QKV weight (q heads, k heads, v heads; head_dim 64, one block per head). As
+// rotary_qkv_to_cache on amx_linear's output: q_out [M, H, 64] = rotary(q); rows r < len(slots)
+// also get rotary(k) and v written to their cache slots.
+void amx_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& positions,
+                                const at::Tensor& cos_table, const at::Tensor& sin_table, at::Tensor& q_out,
+                                at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  check_gemm(x, packed, "amx_linear_rotary_to_cache");
+  const int64_t m = x.size(0), heads = q_out.size(1), dim = kGemmBlockN;
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(3) == dim && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes() &&
+                  key_cache.scalar_type() == at::kBFloat16 && value_cache.scalar_type() == at::kBFloat16,
+              "caches must be contiguous bf16 [num_blocks, block_size, kv_heads, 64] alike");
+  const int64_t kv_heads = key_cache.size(2), kv_row = kv_heads * dim;
+  TORCH_CHECK(packed.size(0) == heads + 2 * kv_heads, "packed must hold ", heads + 2 * kv_heads, " head blocks");
+  TORCH_CHECK(q_out.dim() == 3 && q_out.size(0) == m && q_out.size(2) == dim && q_out.is_contiguous() &&
+                  q_out.scalar_type() == at::kBFloat16, "q_out must be contiguous bf16 [M, H, 64]");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == m && positions.scalar_type() == at::kLong &&
+                  positions.is_contiguous(), "positions must be contiguous int64 [M]");
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
+                  cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.size(1) == dim &&
+                  sin_table.sizes() == cos_table.sizes(), "cos / sin tables must be contiguous float32 [P, 64]");
+  const int64_t cached = slot_mapping.size(0), num_slots = key_cache.size(0) * key_cache.size(1);
+  TORCH_CHECK(slot_mapping.dim() == 1 && cached <= m && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64 [<= M]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < cached; ++r)
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "slot ", slots[r], " outside the cache [0, ", num_slots, ")");
+  for (int64_t r = 0; r < m; ++r)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < cos_table.size(0), "position ", pos[r], " outside the rotary table");
+#if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
+  auto* q = static_cast<bf16_t*>(q_out.data_ptr());
+  auto* kc = static_cast<bf16_t*>(key_cache.data_ptr());
+  auto* vc = static_cast<bf16_t*>(value_cache.data_ptr());
+  const float* ct = cos_table.data_ptr<float>();
+  const float* st = sin_table.data_ptr<float>();
+  amx_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
+    alignas(64) bf16_t row[kGemmBlockN];
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t r = r0 + i;
+      const bool kv = h >= heads;
+      if (kv && r >= cached) continue;  // GEMM padding rows: q only
+      for (int64_t j = 0; j < dim; j += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + j), gemm_round16(c + i * kGemmBlockN + j));
+      if (h >= heads + kv_heads) {
+        std::memcpy(vc + slots[r] * kv_row + (h - heads - kv_heads) * dim, row, dim * sizeof(bf16_t));
+        continue;
+      }
+      const RowRotator<bf16_t> rot(ct + pos[r] * dim, st + pos[r] * dim, dim);
+      rot.apply(row, kv ? kc + slots[r] * kv_row + (h - heads) * dim : q + (r * heads + h) * dim, 1);
+    }
+  });
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
@@ -669,4 +861,14 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
   m.def("argmax(Tensor x, Tensor(a!) out) -> ()");
   m.impl("argmax", c10::DispatchKey::CPU, TORCH_FN(argmax));
+  m.def("amx_gemm_supported() -> bool", TORCH_FN(amx_gemm_supported));
+  m.def("amx_pack_weight(Tensor weight) -> Tensor");
+  m.impl("amx_pack_weight", c10::DispatchKey::CPU, TORCH_FN(amx_pack_weight));
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
+  m.impl("amx_linear", c10::DispatchKey::CPU, TORCH_FN(amx_linear));
+  m.def("amx_linear_silu_mul(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
+  m.impl("amx_linear_silu_mul", c10::DispatchKey::CPU, TORCH_FN(amx_linear_silu_mul));
+  m.def("amx_linear_rotary_to_cache(Tensor x, Tensor packed, Tensor positions, Tensor cos_table, Tensor sin_table, "
+        "Tensor(a!) q_out, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping) -> ()");
+  m.impl("amx_linear_rotary_to_cache", c10::DispatchKey::CPU, TORCH_FN(amx_linear_rotary_to_cache));
 }
