@@ -660,9 +660,9 @@ void argmax(const at::Tensor& x, at::Tensor& out) {
 
 // ---- bf16 GEMMs on AMX tiles (torch's cpublas::brgemm, oneDNN's micro-kernel) ------------------
 // y = x @ W^T for bf16 x [M, K] and a weight packed once (amx_pack_weight: [N/64][K/2][64][2], 64
-// output columns per block in the VNNI pair layout the tiles read). Each thread takes a run of
-// column blocks and multiplies every 256-row slice of x by each, so a weight block is read once per
-// slice and a row's value never depends on how many rows the call has (oneDNN's own AMX GEMM picks
+// output columns per block in the VNNI pair layout the tiles read). For each 256-row slice of x,
+// each thread takes a run of column blocks (and some rows of the blocks at its run's ends), so a
+// weight block is read about once per slice and a row's value never depends on how many rows the call has (oneDNN's own AMX GEMM picks
 // another K order at 40-512 rows than at 8-32 or 1024+). Against oneDNN's packed linear on a 2-core
 // Xeon: 1.1-2.5x faster from 8 to ~1024 rows, above that slower (bench/RESULTS.md) — the model
 // calls it below that (llama.AMX_MAX_ROWS) and everywhere for the two fused forms:
@@ -718,20 +718,23 @@ void amx_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group, Epil
   const auto* a = static_cast<const at::BFloat16*>(x.data_ptr());
   const auto* b = static_cast<const at::BFloat16*>(packed.data_ptr());
   const int64_t lda = x.stride(0), block = k * kGemmBlockN;
-  const int nt = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), groups));
+  const int nt = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), groups * m));
 #pragma omp parallel num_threads(nt)
   {
     static thread_local std::vector<float> buf;
     buf.resize(group * kGemmBlockM * kGemmBlockN);
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t g0 = groups * t / n, g1 = groups * (t + 1) / n;
     for (int64_t r0 = 0; r0 < m; r0 += kGemmBlockM) {
-      const int64_t rows = std::min(kGemmBlockM, m - r0);
-      for (int64_t g = g0; g < g1; ++g) {
+      // A slice's (group, row) pairs in group-major order, split evenly: a thread takes whole groups
+      // and part of the rows of one at each end (o_proj's 9 blocks would leave threads 4 against 5).
+      const int64_t rows = std::min(kGemmBlockM, m - r0), units = groups * rows;
+      for (int64_t u = units * t / n, u1 = units * (t + 1) / n; u < u1;) {
+        const int64_t g = u / rows, lo = u % rows, len = std::min(rows - lo, u1 - u);
         for (int64_t j = 0; j < group; ++j)
-          at::native::cpublas::brgemm(rows, kGemmBlockN, k, lda, kGemmBlockN, kGemmBlockN, false, a + r0 * lda,
+          at::native::cpublas::brgemm(len, kGemmBlockN, k, lda, kGemmBlockN, kGemmBlockN, false, a + (r0 + lo) * lda,
                                       b + (g * group + j) * block, buf.data() + j * kGemmBlockM * kGemmBlockN, true);
-        epilogue(r0, rows, g, buf.data());
+        epilogue(r0 + lo, len, g, buf.data());
+        u += len;
       }
     }
     at::native::cpublas::brgemm_release(true);
