@@ -127,8 +127,8 @@ def apply_env_defaults(parser: argparse.ArgumentParser, prefix: str = "PAGODA_")
 ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
                   "enable_chunked_prefill", "preemption_mode", "swap_space_bytes", "seed", "device",
-                  "attention_backend", "kv_cache_prefault", "cpu_amx_gemm", "num_speculative_tokens", "prompt_lookup_max",
-                  "prompt_lookup_min")
+                  "attention_backend", "kv_cache_prefault", "cpu_amx_gemm", "num_speculative_tokens",
+                  "prompt_lookup_max", "prompt_lookup_min")
 
 
 def serve(args: argparse.Namespace) -> None:

@@ -134,7 +134,6 @@ class CpuLayerOps(TorchLayerOps):
         self._argmax(logits, out)
         return out
 
-
     # ---- bf16 GEMMs on AMX tiles (amx_gemm only; csrc/cpu_ops.cpp) ------------------------------
 
     def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:

@@ -77,8 +77,6 @@ class Linear(nn.Linear):
 
     def pack(self, batch_hint: int) -> bool:
         """Reorder the weight for oneDNN once and drop the plain copy; False if not possible."""
-        if self.weight.numel() == 0:
-            return True  # the weight lives elsewhere only (LlamaMLP.pack_amx): nothing to pack
         packed = pack_cpu_weight(self.weight, batch_hint)
         if packed is None:
             return False
@@ -349,7 +347,8 @@ class LlamaForCausalLM(nn.Module):
             if packed is None:
                 return False
             self.tied_lm_head_packed, self.embed_tokens_matmul_weight = packed, None
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        # A gate/up kept only in the AMX layout (LlamaMLP.pack_amx) has no weight left to pack.
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.weight.numel()]
         packed = all([m.pack(batch_hint) for m in linears])
         if packed:
             self.gemm_row_multiple = 8
