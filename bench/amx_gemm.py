@@ -57,12 +57,12 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     flush = torch.empty(64 << 20, dtype=torch.float32)
 
-    x8, w_warm = torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16), None
+    warm = []  # --warm-amx: (x, weight) of the GEMM run after the buffer write
 
     def cold():
         flush.add_(1.0)
-        if w_warm is not None:
-            ops.amx_linear(x8, w_warm)
+        for x_warm, w_warm in warm:
+            ops.amx_linear(x_warm, w_warm)
 
     def weight(n, k):
         return (0.05 * torch.randn(n, k, generator=g)).to(torch.bfloat16)
@@ -73,7 +73,7 @@ def main() -> int:
     amx = {"o": ops.amx_pack(w_o), "down": ops.amx_pack(w_down), "gu": ops.amx_pack(interleave_gate_up(w_gu)),
            "qkv": ops.amx_pack(w_qkv)}
     if args.warm_amx:
-        w_warm = ops.amx_pack(weight(64, HIDDEN))
+        warm.append((torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16), ops.amx_pack(weight(64, HIDDEN))))
     cos_t, sin_t = torch.randn(4096, HEAD_DIM), torch.randn(4096, HEAD_DIM)
     caches = [torch.zeros(2048, 64, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
     print("| rows | case | oneDNN hot us | AMX hot us | ratio | oneDNN cold us | AMX cold us | ratio |")
