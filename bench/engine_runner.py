@@ -194,19 +194,24 @@ def run_llamacpp(args, requests) -> dict:
     return res
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", required=True, choices=["pagoda", "vllm", "hf-single", "hf-static", "hf-cb", "llamacpp"])
+def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options run_pagoda / run_vllm read (also bench/step_trace.py's, which drives them)."""
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--workload", default="W", choices=["W", "W-small"])
     ap.add_argument("--model-dir", default=None, help="vllm: the bundled model as a HF directory")
-    ap.add_argument("--gguf", default=None, help="llamacpp: the bundled model's GGUF file")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--matmul-dtype", default="auto", help="pagoda: EngineConfig.matmul_dtype")
     ap.add_argument("--num-speculative-tokens", type=int, default=0,
                     help="pagoda, vllm: speculative decoding by prompt lookup (n-grams of 1-3 tokens), this many "
                          "draft tokens a step (0: off)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", required=True, choices=["pagoda", "vllm", "hf-single", "hf-static", "hf-cb", "llamacpp"])
+    add_engine_arguments(ap)
+    ap.add_argument("--gguf", default=None, help="llamacpp: the bundled model's GGUF file")
     ap.add_argument("--no-detokenize", dest="detokenize", action="store_false",
                     help="pagoda: skip detokenization (vLLM detokenizes; the default keeps it on)")
     args = ap.parse_args()

@@ -44,12 +44,7 @@ def trace(engine, add, requests) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", required=True, choices=["pagoda", "vllm"])
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--workload", default="W", choices=["W", "W-small"])
-    ap.add_argument("--model-dir", default=None, help="vllm: the bundled model as a HF directory")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--matmul-dtype", default="auto")
+    engine_runner.add_engine_arguments(ap)
     ap.add_argument("--json", default=None, help="write every step's row here")
     args = ap.parse_args()
     args.detokenize = True
