@@ -1,4 +1,8 @@
 """Pagoda engine: paged-KV continuous-batching generation, offline `LLM` API and the engine service."""
+from engine_service import cpu_malloc
+
+cpu_malloc.enable_torch_huge_pages()  # before torch allocates anything (see there)
+
 from engine_service.config import EngineConfig
 from engine_service.llm import LLM
 from engine_service.llm_engine import LLMEngine

@@ -57,6 +57,22 @@ def tune_for_engine() -> bool:
     return ok
 
 
+THP_ENV = "THP_MEM_ALLOC_ENABLE"  # read by torch's CPU allocator (c10/core/alloc_cpu.cpp)
+
+
+def enable_torch_huge_pages() -> bool:
+    """Have torch's CPU allocator ask for transparent huge pages (``madvise(MADV_HUGEPAGE)``) on
+    every buffer of 2 MiB or more: the step's activations (a [2048, 1536] bf16 gate/up output is
+    6 MiB) then fault in 2 MiB at a time and take fewer TLB misses. torch reads the variable once,
+    at its first CPU allocation, so this must run before that: ``engine_service`` calls it on
+    import, before anything imports torch. A value already set (``THP_MEM_ALLOC_ENABLE=0``) wins.
+
+    Measured on the shared bf16 workload (2-core Xeon with AMX, alternating runs): the run's minor
+    page faults 135k -> 14-18k, output tok/s +2.0-2.3% (bench/RESULTS.md, eighteenth session).
+    Returns whether it is on for this process's torch."""
+    return os.environ.setdefault(THP_ENV, "1") == "1"
+
+
 MADV_HUGEPAGE = 14  # madvise(2)
 _HUGE_PAGE = 2 << 20
 

@@ -132,3 +132,39 @@ def test_engine_kv_cache_is_advised_for_huge_pages():
     llm = LLM(model="bundled", dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512, max_num_seqs=4)
     runner = llm.llm_engine.runner
     assert runner.kv_cache_huge_pages == (_thp_mode() not in (None, "never"))
+
+
+TORCH_THP_PROBE = r"""
+import os, sys
+import engine_service  # first: before torch allocates anything
+import torch
+
+t = torch.ones(16 << 20, dtype=torch.uint8)  # >= 2 MiB: torch advises it when asked to
+inside, flags = False, []
+with open("/proc/self/smaps", encoding="ascii") as f:
+    for line in f:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= t.data_ptr() + (8 << 20) < hi
+        elif inside and line.startswith("VmFlags:"):
+            flags = line.split()[1:]
+print(os.environ["THP_MEM_ALLOC_ENABLE"], "hg" in flags)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps")
+def test_importing_the_engine_has_torch_advise_large_buffers_for_huge_pages():
+    """``import engine_service`` sets THP_MEM_ALLOC_ENABLE=1 before torch's first allocation, so torch
+    marks its large CPU buffers MADV_HUGEPAGE ('hg' in the mapping's VmFlags); a value the user set
+    already wins (0: no advice)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    default = subprocess.run([sys.executable, "-c", TORCH_THP_PROBE], capture_output=True, text=True, env=env)
+    assert default.returncode == 0, default.stderr
+    assert default.stdout.split() == ["1", "True"]
+    off = subprocess.run([sys.executable, "-c", TORCH_THP_PROBE], capture_output=True, text=True,
+                         env={**env, "THP_MEM_ALLOC_ENABLE": "0"})
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.split() == ["0", "False"]
