@@ -45,6 +45,9 @@ from engine_runner import load_workload  # noqa: E402
 PAGODA_PY = os.environ.get("PAGODA_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
 VLLM_VENV = Path(os.environ.get("PAGODA_VLLM_VENV", "/work/baselines/vllm"))
 LLAMACPP_VENV = Path(os.environ.get("PAGODA_LLAMACPP_VENV", "/work/baselines/llamacpp"))
+# Every engine starts from the environment as it was given to this script: importing engine_service
+# here (model paths) sets THP_MEM_ALLOC_ENABLE in this process, which must not reach the baselines.
+START_ENV = dict(os.environ)
 
 MATMUL_SNIPPET = """
 import time, torch
@@ -144,7 +147,7 @@ def bound_seconds(requests, dtype: str, matmul_gflops: float, stream_gbs: float)
 
 def run_engine(engine: str, args) -> dict:
     cmd = ["bench/engine_runner.py", "--engine", engine, "--dtype", args.dtype]
-    env = dict(os.environ)
+    env = dict(START_ENV)
     if engine == "vllm":
         py = str(VLLM_VENV / "bin" / "python")
         if not Path(py).exists():
