@@ -68,8 +68,9 @@ def enable_torch_huge_pages() -> bool:
     import, before anything imports torch. A value already set (``THP_MEM_ALLOC_ENABLE=0``) wins.
 
     Measured on the shared bf16 workload (2-core Xeon with AMX, alternating runs): the run's minor
-    page faults 135k -> 14-18k, output tok/s +2.0-2.3% (bench/RESULTS.md, eighteenth session).
-    Returns whether it is on for this process's torch."""
+    page faults 118-138k -> 14-19k, output tok/s +0.8 to +2.3% (bench/RESULTS.md, eighteenth
+    session). Returns whether the variable now asks for it (torch follows it only if this ran
+    before its first allocation)."""
     return os.environ.setdefault(THP_ENV, "1") == "1"
 
 

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
 import ctypes, ctypes.util, sys
@@ -135,21 +139,13 @@ def test_engine_kv_cache_is_advised_for_huge_pages():
 
 
 TORCH_THP_PROBE = r"""
-import os, sys
+import os
 import engine_service  # first: before torch allocates anything
 import torch
+from tests.test_cpu_malloc import _vm_flags_of
 
 t = torch.ones(16 << 20, dtype=torch.uint8)  # >= 2 MiB: torch advises it when asked to
-inside, flags = False, []
-with open("/proc/self/smaps", encoding="ascii") as f:
-    for line in f:
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= t.data_ptr() + (8 << 20) < hi
-        elif inside and line.startswith("VmFlags:"):
-            flags = line.split()[1:]
-print(os.environ["THP_MEM_ALLOC_ENABLE"], "hg" in flags)
+print(os.environ["THP_MEM_ALLOC_ENABLE"], "hg" in _vm_flags_of(t.data_ptr() + (8 << 20)))
 """
 
 
@@ -158,13 +154,12 @@ def test_importing_the_engine_has_torch_advise_large_buffers_for_huge_pages():
     """``import engine_service`` sets THP_MEM_ALLOC_ENABLE=1 before torch's first allocation, so torch
     marks its large CPU buffers MADV_HUGEPAGE ('hg' in the mapping's VmFlags); a value the user set
     already wins (0: no advice)."""
-    import os
-
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    default = subprocess.run([sys.executable, "-c", TORCH_THP_PROBE], capture_output=True, text=True, env=env)
+    default = subprocess.run([sys.executable, "-c", TORCH_THP_PROBE], capture_output=True, text=True, env=env,
+                             cwd=ROOT)
     assert default.returncode == 0, default.stderr
     assert default.stdout.split() == ["1", "True"]
     off = subprocess.run([sys.executable, "-c", TORCH_THP_PROBE], capture_output=True, text=True,
-                         env={**env, "THP_MEM_ALLOC_ENABLE": "0"})
+                         env={**env, "THP_MEM_ALLOC_ENABLE": "0"}, cwd=ROOT)
     assert off.returncode == 0, off.stderr
     assert off.stdout.split() == ["0", "False"]
