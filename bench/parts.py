@@ -58,8 +58,8 @@ def main() -> int:
     llama.linear = timed(llama.linear, "linear (layers + LM head)")
     for name in ("decode", "prefill", "write_kv"):
         setattr(runner.attn, name, timed(getattr(runner.attn, name), f"attention.{name}"))
-    for name in ("rms_norm", "rotary", "rotary_qkv_to_cache", "silu_and_mul", "amx_linear", "amx_linear_silu_mul",
-                 "amx_linear_rotary_qkv_to_cache"):
+    for name in ("rms_norm", "rotary", "rotary_qkv_to_cache", "silu_and_mul", "gemm_linear", "gemm_linear_silu_mul",
+                 "gemm_linear_rotary_qkv_to_cache"):
         if hasattr(runner.layer_ops, name):
             setattr(runner.layer_ops, name, timed(getattr(runner.layer_ops, name), f"layer_ops.{name}"))
     runner.model.compute_logits = timed(runner.model.compute_logits, "LM head (compute_logits)")
@@ -79,8 +79,9 @@ def main() -> int:
     for label, s in sorted(seconds.items(), key=lambda x: -x[1]):
         print(f"| {label} | {s:.2f} | {100 * s / elapsed:.1f}% | {calls[label]} |")
     print("(model forward contains linear, attention and layer_ops; runner.execute contains the forward, "
-          "the LM head and sampling; the LM head's GEMM is also in linear; with AMX the layers' GEMMs up to "
-          "1024 rows are layer_ops.amx_*, the fused ones including silu * up / rotary + KV write)")
+          "the LM head and sampling; the LM head's GEMM is also in linear; with AVX512-BF16 or AMX the layers' "
+          "GEMMs are layer_ops.gemm_* (with AMX up to 1024 rows), the fused ones including silu * up / rotary "
+          "+ KV write)")
     return 0
 
 

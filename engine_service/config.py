@@ -56,11 +56,12 @@ class EngineConfig:
     # workload the first-touch faults cost ~4 s of a 54 s run (bench/RESULTS.md). Costs ~1 s per GiB
     # of KV budget at start-up and commits that memory at once.
     kv_cache_prefault: bool = True
-    # CPU with AMX-BF16, bf16 model: the linear layers' GEMMs up to llama.AMX_MAX_ROWS rows on AMX
-    # tiles through torch's brgemm micro-kernel, with silu * up and rotary + K/V cache write fused
-    # into the gate/up and QKV GEMMs (kernels/csrc/cpu_ops.cpp); larger GEMMs stay on oneDNN. A row's
-    # GEMM output then no longer depends on the step's row count. Ignored where there is no AMX.
-    cpu_amx_gemm: bool = True
+    # CPU with AVX512-BF16 or AMX-BF16, bf16 model: the decoder layers' GEMMs on Pagoda's own
+    # kernels (kernels/csrc/cpu_ops.cpp: AMX tiles through torch's brgemm micro-kernel, else
+    # AVX512-BF16 dot products), with silu * up and rotary + K/V cache write fused into the gate/up
+    # and QKV GEMMs; with AMX, plain GEMMs of over 1024 rows stay on oneDNN (faster there). A row's
+    # GEMM output then no longer depends on the step's row count. Ignored on other CPUs.
+    cpu_bf16_gemm: bool = True
     # Speculative decoding by prompt lookup (vLLM's "ngram" method): a greedy request's next
     # tokens are guessed by finding its last prompt_lookup_max .. prompt_lookup_min tokens earlier
     # in its own prompt + output and proposing up to num_speculative_tokens tokens that followed;

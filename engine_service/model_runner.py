@@ -52,15 +52,15 @@ class ModelRunner:
         self.model.rope_cos, self.model.rope_sin = self.model.rope_cos.float(), self.model.rope_sin.float()
         self.model.eval().requires_grad_(False)
         self.layer_ops = get_layer_ops(self.device, config.attention_backend)
-        # CPU GEMMs on weights blocked once for oneDNN (see pack_cpu_weight), and with AMX the bf16
-        # layers' smaller and fused GEMMs on weights packed for its tiles (EngineConfig.cpu_amx_gemm).
-        self.amx_gemm = (self.device.type == "cpu" and config.cpu_amx_gemm and self.layer_ops.amx_gemm
-                         and self.dtype == torch.bfloat16 and self.matmul_dtype == torch.bfloat16)
+        # CPU GEMMs on weights blocked once for oneDNN (see pack_cpu_weight), and with AVX512-BF16 or
+        # AMX the bf16 layers' GEMMs on Pagoda's own kernels (EngineConfig.cpu_bf16_gemm).
+        self.bf16_gemm = (self.device.type == "cpu" and config.cpu_bf16_gemm and self.layer_ops.bf16_gemm
+                          and self.dtype == torch.bfloat16 and self.matmul_dtype == torch.bfloat16)
         self.packed_weights = self.device.type == "cpu" and self.model.pack_weights(
-            config.max_num_seqs, amx_ops=self.layer_ops if self.amx_gemm else None)
+            config.max_num_seqs, gemm_ops=self.layer_ops if self.bf16_gemm else None)
         logger.info("model loaded in %.2f s%s%s", time.perf_counter() - t0,
                     " (GEMM weights packed for oneDNN)" if self.packed_weights else "",
-                    " (and for AMX tiles)" if self.amx_gemm else "")
+                    " (decoder layers for Pagoda's bf16 GEMMs)" if self.bf16_gemm else "")
         self.vocab_size = model_config.vocab_size
         self.attn = get_attention_backend(config.attention_backend, self.device)
         head_dim = self.model.layers[0].self_attn.head_dim

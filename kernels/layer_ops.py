@@ -18,12 +18,15 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
+AMX_GEMM_MAX_ROWS = 1024  # CpuLayerOps.gemm_max_rows on a CPU with AMX
+
 
 class TorchLayerOps:
     """Plain torch ops, in transformers' order (the reference)."""
 
     name = "torch"
-    amx_gemm = False  # CpuLayerOps on a CPU with AMX-BF16: the amx_* GEMMs below
+    bf16_gemm = False  # CpuLayerOps on a CPU with AVX512-BF16 or AMX-BF16: the gemm_* GEMMs below
+    gemm_max_rows: int | None = 0  # the most rows the model hands gemm_linear (None: any number)
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
@@ -81,10 +84,15 @@ class CpuLayerOps(TorchLayerOps):
         self._silu_and_mul = torch.ops.pagoda_cpu.silu_and_mul.default
         self._argmax = torch.ops.pagoda_cpu.argmax.default
         self._argmax_vectorized = bool(torch.ops.pagoda_cpu.has_avx512())
-        self.amx_gemm = bool(torch.ops.pagoda_cpu.amx_gemm_supported())
-        self._amx_linear = torch.ops.pagoda_cpu.amx_linear.default
-        self._amx_linear_silu_mul = torch.ops.pagoda_cpu.amx_linear_silu_mul.default
-        self._amx_linear_rotary_to_cache = torch.ops.pagoda_cpu.amx_linear_rotary_to_cache.default
+        self.bf16_gemm = bool(torch.ops.pagoda_cpu.gemm_supported())
+        # With AMX, oneDNN's packed GEMM is faster above ~1024 rows (2-core Xeon, SmolLM2 shapes: the
+        # AMX kernel 1.1-2.5x faster up to ~1024 rows, 0.7-0.9x at 2048); the AVX512-BF16 kernel is as
+        # fast or faster at every row count (2-core Zen 4: 1.0-2.0x; bench/RESULTS.md). The fused
+        # forms run at every row count either way.
+        self.gemm_max_rows = AMX_GEMM_MAX_ROWS if torch.ops.pagoda_cpu.gemm_uses_amx() else None
+        self._gemm_linear = torch.ops.pagoda_cpu.gemm_linear.default
+        self._gemm_linear_silu_mul = torch.ops.pagoda_cpu.gemm_linear_silu_mul.default
+        self._gemm_linear_rotary_to_cache = torch.ops.pagoda_cpu.gemm_linear_rotary_to_cache.default
 
     def rms_norm(self, x, residual, weight, eps):
         if x.dtype not in self._DTYPES or x.dim() != 2 or x.stride(-1) != 1 or weight.dtype != x.dtype:
@@ -134,30 +142,30 @@ class CpuLayerOps(TorchLayerOps):
         self._argmax(logits, out)
         return out
 
-    # ---- bf16 GEMMs on AMX tiles (amx_gemm only; csrc/cpu_ops.cpp) ------------------------------
+    # ---- bf16 GEMMs of our own (bf16_gemm only; AMX tiles or AVX512-BF16, csrc/cpu_ops.cpp) -------
 
-    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight [N, K] bf16 (N a multiple of 64, K even) in the tiles' layout, for the amx_* GEMMs."""
-        return torch.ops.pagoda_cpu.amx_pack_weight(weight.contiguous())
+    def gemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] bf16 (N a multiple of 64, K even) in the kernels' layout, for the gemm_* GEMMs."""
+        return torch.ops.pagoda_cpu.gemm_pack_weight(weight.contiguous())
 
-    def amx_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    def gemm_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight.T, rounded to bf16; a row's result does not depend on M."""
         out = torch.empty((x.shape[0], packed.shape[0] * packed.shape[2]), dtype=x.dtype)
-        self._amx_linear(x, packed, out)
+        self._gemm_linear(x, packed, out)
         return out
 
-    def amx_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    def gemm_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """silu_and_mul(x @ gate_up.T) in one pass; ``packed``: the gate/up weight with its 64-row
-        blocks interleaved (``interleave_gate_up``) before ``amx_pack``."""
+        blocks interleaved (``interleave_gate_up``) before ``gemm_pack``."""
         out = torch.empty((x.shape[0], packed.shape[0] // 2 * packed.shape[2]), dtype=x.dtype)
-        self._amx_linear_silu_mul(x, packed, out)
+        self._gemm_linear_silu_mul(x, packed, out)
         return out
 
-    def amx_linear_rotary_qkv_to_cache(self, x, packed, rope, num_heads, key_cache, value_cache, slot_mapping):
+    def gemm_linear_rotary_qkv_to_cache(self, x, packed, rope, num_heads, key_cache, value_cache, slot_mapping):
         """rotary_qkv_to_cache(x @ qkv.T, ...) in one pass (head_dim 64): returns rotary(q) [M, H, 64]."""
         positions, cos_table, sin_table, _ = rope
         q = torch.empty((x.shape[0], num_heads, key_cache.shape[-1]), dtype=x.dtype)
-        self._amx_linear_rotary_to_cache(x, packed, positions, cos_table, sin_table, q, key_cache, value_cache,
+        self._gemm_linear_rotary_to_cache(x, packed, positions, cos_table, sin_table, q, key_cache, value_cache,
                                          slot_mapping.contiguous())
         return q
 

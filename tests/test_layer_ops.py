@@ -1,6 +1,8 @@
 """The fused C++ layer ops (residual add + RMSNorm, rotary, silu_and_mul) against the torch reference ops."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -183,51 +185,65 @@ def test_argmax_matches_torch_max_indices(ops, dtype, rows, vocab):
     assert torch.equal(ref.argmax(logits), want)
 
 
-# ---- bf16 GEMMs on AMX tiles (CPUs with AMX-BF16 only) ----------------------------------------
+# ---- Pagoda's bf16 GEMMs (CPUs with AVX512-BF16 or AMX-BF16) --------------------------------------
 
-def _amx_ops(ops):
+def test_bf16_gemms_run_where_the_cpu_has_bf16_dot_products(ops):
+    """Pagoda's GEMMs are on wherever the CPU has AVX512-BF16 (AMX CPUs have it too), so their tests
+    below run there rather than skip; with AMX tiles plain GEMMs over AMX_GEMM_MAX_ROWS rows go to
+    oneDNN, with the dot-product kernel none do."""
+    from pagoda_kernels.layer_ops import AMX_GEMM_MAX_ROWS
+
     cpu, _ = ops
-    if not cpu.amx_gemm:
-        pytest.skip("this CPU has no AMX-BF16 (the engine uses oneDNN's GEMMs here)")
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    assert cpu.bf16_gemm == (" avx512_bf16" in flags)
+    if cpu.bf16_gemm:
+        amx = " amx_bf16" in flags and " amx_tile" in flags
+        assert cpu.gemm_max_rows == (AMX_GEMM_MAX_ROWS if amx else None)
+
+
+def _gemm_ops(ops):
+    cpu, _ = ops
+    if not cpu.bf16_gemm:
+        pytest.skip("this CPU has neither AVX512-BF16 nor AMX-BF16 (the engine uses oneDNN's GEMMs here)")
     return cpu
 
 
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (128, 64)])
-def test_amx_linear_is_close_to_float64_and_row_count_invariant(ops, n, k):
+def test_gemm_linear_is_close_to_float64_and_row_count_invariant(ops, n, k):
     """Each row rounded once from an fp32 accumulation, and the same bits whether the call has 1,
     40 or 600 rows (more than one 256-row slice)."""
-    cpu = _amx_ops(ops)
+    cpu = _gemm_ops(ops)
     g = torch.Generator().manual_seed(n + k)
     w = (0.05 * torch.randn(n, k, generator=g)).to(torch.bfloat16)
-    packed = cpu.amx_pack(w)
+    packed = cpu.gemm_pack(w)
     x = torch.randn(600, k, generator=g).to(torch.bfloat16)
-    full = cpu.amx_linear(x, packed)
+    full = cpu.gemm_linear(x, packed)
     assert full.shape == (600, n) and full.dtype == torch.bfloat16
     want = x.double() @ w.double().T
     assert ((full.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-2).all()
     for rows in (1, 40, 257):
-        assert torch.equal(cpu.amx_linear(x[-rows:].contiguous(), packed), full[-rows:])
+        assert torch.equal(cpu.gemm_linear(x[-rows:].contiguous(), packed), full[-rows:])
 
 
 @pytest.mark.parametrize("rows", [1, 40, 300])
-def test_amx_linear_silu_mul_is_the_gemm_then_silu_and_mul(ops, rows):
+def test_gemm_linear_silu_mul_is_the_gemm_then_silu_and_mul(ops, rows):
     from pagoda_kernels.layer_ops import interleave_gate_up
 
-    cpu = _amx_ops(ops)
+    cpu = _gemm_ops(ops)
     g = torch.Generator().manual_seed(rows)
     inter, k = 256, 576
     w = (0.05 * torch.randn(2 * inter, k, generator=g)).to(torch.bfloat16)
     x = (3 * torch.randn(rows, k, generator=g)).to(torch.bfloat16)
-    got = cpu.amx_linear_silu_mul(x, cpu.amx_pack(interleave_gate_up(w)))
-    want = cpu.silu_and_mul(cpu.amx_linear(x, cpu.amx_pack(w)))
+    got = cpu.gemm_linear_silu_mul(x, cpu.gemm_pack(interleave_gate_up(w)))
+    want = cpu.silu_and_mul(cpu.gemm_linear(x, cpu.gemm_pack(w)))
     assert got.shape == (rows, inter) and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("rows,cached", [(8, 8), (300, 293)])
-def test_amx_linear_rotary_qkv_to_cache_is_the_gemm_then_rotary_qkv_to_cache(ops, rows, cached):
+def test_gemm_linear_rotary_qkv_to_cache_is_the_gemm_then_rotary_qkv_to_cache(ops, rows, cached):
     """Bitwise the unfused pair: rotary(q) for every row, rotary(k) and v in their slots for the
     first `cached` rows (the rest are GEMM padding), every other slot untouched."""
-    cpu = _amx_ops(ops)
+    cpu = _gemm_ops(ops)
     g = torch.Generator().manual_seed(rows)
     heads, kvh, dim, k, max_pos, blocks, bs = 9, 3, 64, 576, 512, 40, 16
     cos_t, sin_t = _rope_tables(dim, max_pos)
@@ -238,21 +254,21 @@ def test_amx_linear_rotary_qkv_to_cache_is_the_gemm_then_rotary_qkv_to_cache(ops
     rope = cpu.rope_inputs(positions, cos_t, sin_t, torch.bfloat16)
     caches = [torch.randn(blocks, bs, kvh, dim, generator=g).to(torch.bfloat16) for _ in range(2)]
     kc, vc, kc_ref, vc_ref = caches[0].clone(), caches[1].clone(), caches[0].clone(), caches[1].clone()
-    q = cpu.amx_linear_rotary_qkv_to_cache(x, cpu.amx_pack(w), rope, heads, kc, vc, slots)
-    q_ref = cpu.rotary_qkv_to_cache(cpu.amx_linear(x, cpu.amx_pack(w)), rope, heads, kc_ref, vc_ref, slots)
+    q = cpu.gemm_linear_rotary_qkv_to_cache(x, cpu.gemm_pack(w), rope, heads, kc, vc, slots)
+    q_ref = cpu.rotary_qkv_to_cache(cpu.gemm_linear(x, cpu.gemm_pack(w)), rope, heads, kc_ref, vc_ref, slots)
     assert q.shape == (rows, heads, dim) and torch.equal(q, q_ref)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref) and not torch.equal(kc, caches[0])
     with pytest.raises(RuntimeError, match="outside the cache"):
-        cpu.amx_linear_rotary_qkv_to_cache(x, cpu.amx_pack(w), rope, heads, kc, vc,
+        cpu.gemm_linear_rotary_qkv_to_cache(x, cpu.gemm_pack(w), rope, heads, kc, vc,
                                            torch.full((cached,), blocks * bs))
 
 
-def test_amx_gemms_reject_bad_shapes(ops):
-    cpu = _amx_ops(ops)
+def test_gemms_reject_bad_shapes(ops):
+    cpu = _gemm_ops(ops)
     with pytest.raises(RuntimeError, match="multiple of 64"):
-        cpu.amx_pack(torch.zeros(100, 64, dtype=torch.bfloat16))
-    packed = cpu.amx_pack(torch.zeros(64, 32, dtype=torch.bfloat16))
+        cpu.gemm_pack(torch.zeros(100, 64, dtype=torch.bfloat16))
+    packed = cpu.gemm_pack(torch.zeros(64, 32, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="K = 48"):
-        cpu.amx_linear(torch.zeros(2, 48, dtype=torch.bfloat16), packed)
+        cpu.gemm_linear(torch.zeros(2, 48, dtype=torch.bfloat16), packed)
     with pytest.raises(RuntimeError, match="bf16"):
-        cpu.amx_linear(torch.zeros(2, 32), packed)
+        cpu.gemm_linear(torch.zeros(2, 32), packed)

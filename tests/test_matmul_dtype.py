@@ -98,10 +98,14 @@ def test_engine_packs_every_gemm_weight_on_cpu(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=16 << 20)
     model = llm.llm_engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    # gate/up on a CPU with AMX: packed for its tiles only (LlamaMLP.pack_amx), every other for oneDNN
-    amx_only = {id(layer.mlp.gate_up_proj) for layer in model.layers if layer.mlp.gate_up_amx is not None}
-    assert linears and all((m.packed_weight is not None or id(m) in amx_only) and m.weight.numel() == 0
+    # On a CPU with Pagoda's bf16 GEMMs, gate/up (and with no row limit every decoder layer's weight)
+    # lives only in their layout (LlamaMLP / Linear.pack_gemm); every other weight is packed for oneDNN.
+    ops = llm.llm_engine.runner.layer_ops
+    gemm_only = {id(layer.mlp.gate_up_proj) for layer in model.layers if layer.mlp.gate_up_gemm is not None}
+    gemm_only |= {id(m) for m in linears if m.gemm_weight is not None and m.gemm_max_rows is None}
+    assert linears and all((m.packed_weight is not None or id(m) in gemm_only) and m.weight.numel() == 0
                            for m in linears)
+    assert bool(gemm_only) == ops.bf16_gemm
     if model.tie_word_embeddings:
         assert model.tied_lm_head_packed is not None
     hidden = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)

@@ -18,10 +18,6 @@ from pagoda_kernels.layer_ops import TorchLayerOps, interleave_gate_up
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
-# Most rows a plain linear layer multiplies on AMX tiles (``pack_weights(amx_ops=...)``); above, oneDNN's
-# packed GEMM is faster (2-core Xeon, SmolLM2 shapes: AMX 1.1-2.5x faster up to ~1024 rows, 0.7-0.9x
-# at 2048; bench/RESULTS.md). The gate/up GEMM with silu * up fused runs on AMX at every row count.
-AMX_MAX_ROWS = 1024
 
 
 def pack_cpu_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
@@ -60,19 +56,23 @@ class Linear(nn.Linear):
     After ``pack()`` (CPU) the weight lives only in oneDNN's blocked layout (``pack_cpu_weight``)."""
 
     packed_weight: torch.Tensor | None = None
-    amx_weight: torch.Tensor | None = None  # pack_amx: the weight for ops.amx_linear
-    amx_ops = None
+    gemm_weight: torch.Tensor | None = None  # pack_gemm: the weight for ops.gemm_linear
+    gemm_ops = None
+    gemm_max_rows: int | None = None
 
-    def amx_packable(self) -> bool:
+    def gemm_packable(self) -> bool:
         return (self.bias is None and self.weight.dtype == torch.bfloat16 and self.out_features % 64 == 0
                 and self.in_features % 2 == 0)
 
-    def pack_amx(self, ops) -> bool:
-        """Also keep the weight in the AMX tiles' layout: ``forward`` multiplies up to
-        ``AMX_MAX_ROWS`` rows with ``ops.amx_linear``. False if the layer does not qualify."""
-        if not self.amx_packable():
+    def pack_gemm(self, ops) -> bool:
+        """Keep the weight in the layout of Pagoda's bf16 GEMMs too: ``forward`` multiplies up to
+        ``ops.gemm_max_rows`` rows with ``ops.gemm_linear``, and only there where that has no limit
+        (the plain weight is dropped). False if the layer does not qualify."""
+        if not self.gemm_packable():
             return False
-        self.amx_weight, self.amx_ops = ops.amx_pack(self.weight), ops
+        self.gemm_weight, self.gemm_ops, self.gemm_max_rows = ops.gemm_pack(self.weight), ops, ops.gemm_max_rows
+        if self.gemm_max_rows is None:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         return True
 
     def pack(self, batch_hint: int) -> bool:
@@ -86,8 +86,9 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.amx_weight is not None and x.shape[0] <= AMX_MAX_ROWS and x.dtype == torch.bfloat16:
-            return self.amx_ops.amx_linear(x, self.amx_weight)
+        if self.gemm_weight is not None and x.dtype == torch.bfloat16 and (
+                self.gemm_max_rows is None or x.shape[0] <= self.gemm_max_rows):
+            return self.gemm_ops.gemm_linear(x, self.gemm_weight)
         if self.packed_weight is not None:
             return linear(x, self.packed_weight, self.bias, packed=True)
         return linear(x, self.weight, self.bias)
@@ -169,9 +170,11 @@ class LlamaAttention(nn.Module):
         tr = meta.slot_mapping.shape[0]
         q = k = v = None  # k / v stay None where they live only in the cache (the backend reads them there)
         fused = not self.qk_norm and attn.prefill_reads_cache(x.dtype)
-        if fused and self.qkv_proj.amx_weight is not None and self.head_dim == 64 and t <= AMX_MAX_ROWS:
-            q = self.qkv_proj.amx_ops.amx_linear_rotary_qkv_to_cache(
-                x, self.qkv_proj.amx_weight, rope, self.num_heads, key_cache, value_cache, meta.slot_mapping)
+        proj = self.qkv_proj
+        if fused and proj.gemm_weight is not None and self.head_dim == 64 and (
+                proj.gemm_max_rows is None or t <= proj.gemm_max_rows):
+            q = proj.gemm_ops.gemm_linear_rotary_qkv_to_cache(
+                x, proj.gemm_weight, rope, self.num_heads, key_cache, value_cache, meta.slot_mapping)
             qkv = None
         else:
             qkv = self.qkv_proj(x)
@@ -213,21 +216,21 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.gate_up_amx: torch.Tensor | None = None  # pack_amx
-        self.amx_ops = None
+        self.gate_up_gemm: torch.Tensor | None = None  # pack_gemm
+        self.gemm_ops = None
 
-    def pack_amx(self, ops) -> bool:
-        """gate/up on AMX tiles with silu * up fused (``ops.amx_linear_silu_mul``) at every row
-        count: the weight is kept only in that layout. False if the layer does not qualify."""
-        if not self.gate_up_proj.amx_packable() or self.intermediate_size % 64:
+    def pack_gemm(self, ops) -> bool:
+        """gate/up on Pagoda's bf16 GEMM with silu * up fused (``ops.gemm_linear_silu_mul``) at every
+        row count: the weight is kept only in that layout. False if the layer does not qualify."""
+        if not self.gate_up_proj.gemm_packable() or self.intermediate_size % 64:
             return False
-        self.gate_up_amx, self.amx_ops = ops.amx_pack(interleave_gate_up(self.gate_up_proj.weight)), ops
+        self.gate_up_gemm, self.gemm_ops = ops.gemm_pack(interleave_gate_up(self.gate_up_proj.weight)), ops
         self.gate_up_proj.weight = nn.Parameter(self.gate_up_proj.weight.new_empty(0), requires_grad=False)
         return True
 
     def forward(self, x: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
-        if self.gate_up_amx is not None:
-            return self.down_proj(self.amx_ops.amx_linear_silu_mul(x, self.gate_up_amx))
+        if self.gate_up_gemm is not None:
+            return self.down_proj(self.gemm_ops.gemm_linear_silu_mul(x, self.gate_up_gemm))
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -329,17 +332,18 @@ class LlamaForCausalLM(nn.Module):
             logits = linear(hidden, weight)
         return logits[:n]
 
-    def pack_weights(self, batch_hint: int, amx_ops=None) -> bool:
+    def pack_weights(self, batch_hint: int, gemm_ops=None) -> bool:
         """Reorder every GEMM weight (the LM head included) into oneDNN's blocked layout once
         (``pack_cpu_weight``); the plain copies are dropped. False where oneDNN is not available.
 
-        ``amx_ops`` (layer ops with ``amx_gemm``): the decoder layers' bf16 weights are also packed
-        for AMX tiles (``Linear.pack_amx``, ``LlamaMLP.pack_amx``: gate/up only there)."""
-        if amx_ops is not None and amx_ops.amx_gemm:
+        ``gemm_ops`` (layer ops with ``bf16_gemm``): the decoder layers' bf16 weights are also packed
+        for Pagoda's own GEMMs (``Linear.pack_gemm``, ``LlamaMLP.pack_gemm``: gate/up only there,
+        every layer only there where ``gemm_max_rows`` is None)."""
+        if gemm_ops is not None and gemm_ops.bf16_gemm:
             for layer in self.layers:
-                layer.mlp.pack_amx(amx_ops)
+                layer.mlp.pack_gemm(gemm_ops)
                 for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
-                    proj.pack_amx(amx_ops)
+                    proj.pack_gemm(gemm_ops)
         if self.tie_word_embeddings:
             weight = self.embed_tokens_matmul_weight if self.embed_tokens_matmul_weight is not None \
                 else self.embed_tokens.weight
@@ -347,7 +351,7 @@ class LlamaForCausalLM(nn.Module):
             if packed is None:
                 return False
             self.tied_lm_head_packed, self.embed_tokens_matmul_weight = packed, None
-        # A gate/up kept only in the AMX layout (LlamaMLP.pack_amx) has no weight left to pack.
+        # A weight kept only in our GEMMs' layout (Linear/LlamaMLP.pack_gemm) has none left to pack.
         linears = [m for m in self.modules() if isinstance(m, Linear) and m.weight.numel()]
         packed = all([m.pack(batch_hint) for m in linears])
         if packed:

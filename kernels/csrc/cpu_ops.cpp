@@ -658,22 +658,25 @@ void argmax(const at::Tensor& x, at::Tensor& out) {
 }
 
 
-// ---- bf16 GEMMs on AMX tiles (torch's cpublas::brgemm, oneDNN's micro-kernel) ------------------
-// y = x @ W^T for bf16 x [M, K] and a weight packed once (amx_pack_weight: [N/64][K/2][64][2], 64
-// output columns per block in the VNNI pair layout the tiles read). For each 256-row slice of x,
-// each thread takes a run of column blocks (and some rows of the blocks at its run's ends), so a
-// weight block is read about once per slice and a row's value never depends on how many rows the call has (oneDNN's own AMX GEMM picks
-// another K order at 40-512 rows than at 8-32 or 1024+). Against oneDNN's packed linear on a 2-core
-// Xeon: 1.1-2.5x faster from 8 to ~1024 rows, above that slower (bench/RESULTS.md) — the model
-// calls it below that (llama.AMX_MAX_ROWS) and everywhere for the two fused forms:
-//   amx_linear_silu_mul: gate/up blocks interleaved, the epilogue writes silu(gate) * up;
-//   amx_linear_rotary_to_cache: one block per head of the fused QKV output, the epilogue writes
+// ---- bf16 GEMMs of our own: AMX tiles or AVX512-BF16 dot products ---------------------------------
+// y = x @ W^T for bf16 x [M, K] and a weight packed once (gemm_pack_weight: [N/64][K/2][64][2], 64
+// output columns per block in the VNNI pair layout both instruction sets read). For each 256-row
+// slice of x, each thread takes a run of column blocks (and some rows of the blocks at its run's
+// ends), so a weight block is read about once per slice and a row's value never depends on how many
+// rows the call has (oneDNN's own GEMMs pick another K order at some row counts than at others).
+// A block is multiplied by torch's cpublas::brgemm (oneDNN's AMX micro-kernel) where the CPU has
+// AMX-BF16, else by dp_rows below (vdpbf16ps, fp32 sums). Against oneDNN's packed linear
+// (bench/bf16_gemm.py, bench/RESULTS.md): on a 2-core Xeon with AMX 1.1-2.5x faster from 8 to ~1024
+// rows and slower above (the model calls it below that: CpuLayerOps.gemm_max_rows); on a 2-core
+// Zen 4 1.0-2.0x at every row count, most where the weight or inputs are cold. The fused forms:
+//   gemm_linear_silu_mul: gate/up blocks interleaved, the epilogue writes silu(gate) * up;
+//   gemm_linear_rotary_to_cache: one block per head of the fused QKV output, the epilogue writes
 //     rotary(q), and rotary(k) and v straight into their cache slots.
-// Each fused form gives bitwise what amx_linear followed by the unfused op gives.
+// Each fused form gives bitwise what gemm_linear followed by the unfused op gives.
 constexpr int64_t kGemmBlockN = 64;
 constexpr int64_t kGemmBlockM = 256;
 
-bool amx_gemm_supported() {
+bool gemm_uses_amx() {
 #if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
   static const bool ok = [] {
     unsigned a, b, c, d;
@@ -687,12 +690,23 @@ bool amx_gemm_supported() {
 #endif
 }
 
-at::Tensor amx_pack_weight(const at::Tensor& weight) {
-  TORCH_CHECK(amx_gemm_supported(), "amx_pack_weight: this CPU has no AMX-BF16 GEMM");
+// Built for a CPU with AVX512-BF16 (-march=native): dp_rows runs here, AMX or not.
+bool gemm_supported() {
+#if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor gemm_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(gemm_supported(), "gemm_pack_weight: this CPU has no AVX512-BF16 or AMX-BF16");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "weight must be bf16 [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(n % kGemmBlockN == 0 && k % 2 == 0, "weight [", n, ", ", k, "]: N must be a multiple of ",
               kGemmBlockN, " and K even");
+  if (!gemm_uses_amx())  // [N/64][K/2][64][2]
+    return weight.reshape({n / kGemmBlockN, kGemmBlockN, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
   const at::Tensor wt = weight.t().contiguous();  // [K, N]: B of x @ B
   at::Tensor out = at::empty({n / kGemmBlockN, k / 2, kGemmBlockN, 2}, weight.options());
   const auto* src = static_cast<const at::BFloat16*>(wt.data_ptr());
@@ -708,16 +722,58 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
 inline __m256i gemm_round16(const float* c) { return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c)); }
 inline __m512 bits_to_f32(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
 
+// c[rows][64] = a[rows][k] @ b for one 64-column block b [k/2][64][2] with AVX512-BF16 dot products
+// (vdpbf16ps: a pair of products added to an fp32 sum), R rows at a time, each row's 64 sums in four
+// registers, k in order: a row's sums do not depend on R. 6 rows: 24 sums, 4 weight vectors and a
+// broadcast fill the 32 registers; the weight block (72-192 KB at SmolLM2's shapes) comes from L2
+// for every 6 rows after the first.
+template <int R>
+inline void dp_rows(int64_t pairs, const uint32_t* a, int64_t lda, const uint16_t* b, float* c) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* bp = b + p * 2 * kGemmBlockN;
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp), b1 = (__m512bh)_mm512_loadu_si512(bp + 32),
+                   b2 = (__m512bh)_mm512_loadu_si512(bp + 64), b3 = (__m512bh)_mm512_loadu_si512(bp + 96);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * lda + p]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, b1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], av, b2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], av, b3);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(c + r * kGemmBlockN + j * 16, acc[r][j]);
+}
+
+inline void dp_gemm(int64_t m, int64_t k, const at::BFloat16* a, int64_t lda, const at::BFloat16* b, float* c) {
+  const auto* a32 = reinterpret_cast<const uint32_t*>(a);
+  const auto* b16 = reinterpret_cast<const uint16_t*>(b);
+  const int64_t pairs = k / 2, lda32 = lda / 2;
+  int64_t r = 0;
+  for (; r + 6 <= m; r += 6) dp_rows<6>(pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN);
+  switch (m - r) {
+    case 5: dp_rows<5>(pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN); break;
+    case 4: dp_rows<4>(pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN); break;
+    case 3: dp_rows<3>(pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN); break;
+    case 2: dp_rows<2>(pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN); break;
+    case 1: dp_rows<1>(pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN); break;
+  }
+}
+
 // Runs x [M, K] against `groups` groups of `group` consecutive column blocks of the packed weight;
 // epilogue(row0, rows, g, c) gets the fp32 products of rows row0.. with group g, c[b][r][64].
 template <typename Epilogue>
-void amx_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group, Epilogue&& epilogue) {
+void run_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group, Epilogue&& epilogue) {
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t groups = packed.size(0) / group;
   if (m == 0) return;
   const auto* a = static_cast<const at::BFloat16*>(x.data_ptr());
   const auto* b = static_cast<const at::BFloat16*>(packed.data_ptr());
   const int64_t lda = x.stride(0), block = k * kGemmBlockN;
+  const bool tiles = gemm_uses_amx();
   const int nt = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), groups * m));
 #pragma omp parallel num_threads(nt)
   {
@@ -730,36 +786,41 @@ void amx_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group, Epil
       const int64_t rows = std::min(kGemmBlockM, m - r0), units = groups * rows;
       for (int64_t u = units * t / n, u1 = units * (t + 1) / n; u < u1;) {
         const int64_t g = u / rows, lo = u % rows, len = std::min(rows - lo, u1 - u);
-        for (int64_t j = 0; j < group; ++j)
-          at::native::cpublas::brgemm(len, kGemmBlockN, k, lda, kGemmBlockN, kGemmBlockN, false, a + (r0 + lo) * lda,
-                                      b + (g * group + j) * block, buf.data() + j * kGemmBlockM * kGemmBlockN, true);
+        for (int64_t j = 0; j < group; ++j) {
+          if (tiles)
+            at::native::cpublas::brgemm(len, kGemmBlockN, k, lda, kGemmBlockN, kGemmBlockN, false, a + (r0 + lo) * lda,
+                                        b + (g * group + j) * block, buf.data() + j * kGemmBlockM * kGemmBlockN, true);
+          else
+            dp_gemm(len, k, a + (r0 + lo) * lda, lda, b + (g * group + j) * block,
+                    buf.data() + j * kGemmBlockM * kGemmBlockN);
+        }
         epilogue(r0 + lo, len, g, buf.data());
         u += len;
       }
     }
-    at::native::cpublas::brgemm_release(true);
+    if (tiles) at::native::cpublas::brgemm_release(true);
   }
 }
 #endif
 
 void check_gemm(const at::Tensor& x, const at::Tensor& packed, const char* name) {
-  TORCH_CHECK(amx_gemm_supported(), name, ": this CPU has no AMX-BF16 GEMM");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, name,
-              ": x must be bf16 [M, K] with contiguous rows");
+  TORCH_CHECK(gemm_supported(), name, ": this CPU has no AVX512-BF16 or AMX-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 2 == 0, name,
+              ": x must be bf16 [M, K] with contiguous rows at an even stride");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.size(1) * 2 == x.size(1) && packed.size(2) == kGemmBlockN && packed.size(3) == 2,
-              name, ": packed must come from amx_pack_weight for K = ", x.size(1));
+              name, ": packed must come from gemm_pack_weight for K = ", x.size(1));
 }
 
-void amx_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
-  check_gemm(x, packed, "amx_linear");
+void gemm_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
+  check_gemm(x, packed, "gemm_linear");
   const int64_t n = packed.size(0) * kGemmBlockN;
   check_rows(out, "out", x.size(0), n);
   TORCH_CHECK(out.scalar_type() == at::kBFloat16, "out must be bf16");
 #if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
   auto* o = static_cast<bf16_t*>(out.data_ptr());
   const int64_t ldo = out.stride(0);
-  amx_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
+  run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < kGemmBlockN; j += 16)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (r0 + r) * ldo + g * kGemmBlockN + j),
@@ -770,9 +831,9 @@ void amx_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) 
 
 // packed: the fused gate/up weight with its 64-column blocks interleaved (gate block i at 2i, up
 // block i at 2i + 1); out [M, I] = silu(gate) * up as silu_and_mul computes it from the bf16 GEMM output.
-void amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
-  check_gemm(x, packed, "amx_linear_silu_mul");
-  TORCH_CHECK(packed.size(0) % 2 == 0, "amx_linear_silu_mul: packed must hold gate / up block pairs");
+void gemm_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
+  check_gemm(x, packed, "gemm_linear_silu_mul");
+  TORCH_CHECK(packed.size(0) % 2 == 0, "gemm_linear_silu_mul: packed must hold gate / up block pairs");
   const int64_t inter = packed.size(0) / 2 * kGemmBlockN;
   check_rows(out, "out", x.size(0), inter);
   TORCH_CHECK(out.scalar_type() == at::kBFloat16, "out must be bf16");
@@ -780,7 +841,7 @@ void amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Tens
   const uint16_t* table = silu_bf16_table();
   auto* o = static_cast<bf16_t*>(out.data_ptr());
   const int64_t ldo = out.stride(0);
-  amx_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
+  run_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
     const float* cu = c + kGemmBlockM * kGemmBlockN;
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < kGemmBlockN; j += 16) {
@@ -794,12 +855,12 @@ void amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Tens
 }
 
 // packed: the fused QKV weight (q heads, k heads, v heads; head_dim 64, one block per head). As
-// rotary_qkv_to_cache on amx_linear's output: q_out [M, H, 64] = rotary(q); rows r < len(slots)
+// rotary_qkv_to_cache on gemm_linear's output: q_out [M, H, 64] = rotary(q); rows r < len(slots)
 // also get rotary(k) and v written to their cache slots.
-void amx_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& positions,
+void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& positions,
                                 const at::Tensor& cos_table, const at::Tensor& sin_table, at::Tensor& q_out,
                                 at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  check_gemm(x, packed, "amx_linear_rotary_to_cache");
+  check_gemm(x, packed, "gemm_linear_rotary_to_cache");
   const int64_t m = x.size(0), heads = q_out.size(1), dim = kGemmBlockN;
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(3) == dim && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes() &&
@@ -829,7 +890,7 @@ void amx_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, c
   auto* vc = static_cast<bf16_t*>(value_cache.data_ptr());
   const float* ct = cos_table.data_ptr<float>();
   const float* st = sin_table.data_ptr<float>();
-  amx_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
+  run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
     alignas(64) bf16_t row[kGemmBlockN];
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t r = r0 + i;
@@ -864,14 +925,15 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
   m.def("argmax(Tensor x, Tensor(a!) out) -> ()");
   m.impl("argmax", c10::DispatchKey::CPU, TORCH_FN(argmax));
-  m.def("amx_gemm_supported() -> bool", TORCH_FN(amx_gemm_supported));
-  m.def("amx_pack_weight(Tensor weight) -> Tensor");
-  m.impl("amx_pack_weight", c10::DispatchKey::CPU, TORCH_FN(amx_pack_weight));
-  m.def("amx_linear(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
-  m.impl("amx_linear", c10::DispatchKey::CPU, TORCH_FN(amx_linear));
-  m.def("amx_linear_silu_mul(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
-  m.impl("amx_linear_silu_mul", c10::DispatchKey::CPU, TORCH_FN(amx_linear_silu_mul));
-  m.def("amx_linear_rotary_to_cache(Tensor x, Tensor packed, Tensor positions, Tensor cos_table, Tensor sin_table, "
+  m.def("gemm_supported() -> bool", TORCH_FN(gemm_supported));
+  m.def("gemm_uses_amx() -> bool", TORCH_FN(gemm_uses_amx));
+  m.def("gemm_pack_weight(Tensor weight) -> Tensor");
+  m.impl("gemm_pack_weight", c10::DispatchKey::CPU, TORCH_FN(gemm_pack_weight));
+  m.def("gemm_linear(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
+  m.impl("gemm_linear", c10::DispatchKey::CPU, TORCH_FN(gemm_linear));
+  m.def("gemm_linear_silu_mul(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
+  m.impl("gemm_linear_silu_mul", c10::DispatchKey::CPU, TORCH_FN(gemm_linear_silu_mul));
+  m.def("gemm_linear_rotary_to_cache(Tensor x, Tensor packed, Tensor positions, Tensor cos_table, Tensor sin_table, "
         "Tensor(a!) q_out, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping) -> ()");
-  m.impl("amx_linear_rotary_to_cache", c10::DispatchKey::CPU, TORCH_FN(amx_linear_rotary_to_cache));
+  m.impl("gemm_linear_rotary_to_cache", c10::DispatchKey::CPU, TORCH_FN(gemm_linear_rotary_to_cache));
 }
