@@ -19,7 +19,6 @@ from pagoda_kernels.layer_ops import TorchLayerOps, interleave_gate_up
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-
 def pack_cpu_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
     """``weight`` [out, in] reordered into oneDNN's blocked GEMM layout (an opaque mkldnn tensor
     for ``packed_linear``), or None where this torch build has no oneDNN.
