@@ -221,7 +221,7 @@ def test_gemm_linear_is_close_to_float64_and_row_count_invariant(ops, n, k):
     assert full.shape == (600, n) and full.dtype == torch.bfloat16
     want = x.double() @ w.double().T
     assert ((full.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-2).all()
-    for rows in (1, 40, 257):
+    for rows in (*range(1, 13), 40, 257):  # 1-12: every remainder of the kernels' row groups
         assert torch.equal(cpu.gemm_linear(x[-rows:].contiguous(), packed), full[-rows:])
 
 
@@ -272,3 +272,5 @@ def test_gemms_reject_bad_shapes(ops):
         cpu.gemm_linear(torch.zeros(2, 48, dtype=torch.bfloat16), packed)
     with pytest.raises(RuntimeError, match="bf16"):
         cpu.gemm_linear(torch.zeros(2, 32), packed)
+    with pytest.raises(RuntimeError, match="even stride"):  # rows are read as pairs of k
+        cpu.gemm_linear(torch.zeros(2, 33, dtype=torch.bfloat16)[:, :32], packed)
