@@ -102,7 +102,7 @@ def test_engine_packs_every_gemm_weight_on_cpu(tiny_llama_dir):
     # lives only in their layout (LlamaMLP / Linear.pack_gemm); every other weight is packed for oneDNN.
     ops = llm.llm_engine.runner.layer_ops
     gemm_only = {id(layer.mlp.gate_up_proj) for layer in model.layers if layer.mlp.gate_up_gemm is not None}
-    gemm_only |= {id(m) for m in linears if m.gemm_weight is not None and m.gemm_max_rows is None}
+    gemm_only |= {id(m) for m in linears if m.gemm_weight is not None and m.gemm_ops.gemm_max_rows is None}
     assert linears and all((m.packed_weight is not None or id(m) in gemm_only) and m.weight.numel() == 0
                            for m in linears)
     assert bool(gemm_only) == ops.bf16_gemm

@@ -57,7 +57,6 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     gemm_weight: torch.Tensor | None = None  # pack_gemm: the weight for ops.gemm_linear
     gemm_ops = None
-    gemm_max_rows: int | None = None
 
     def gemm_packable(self) -> bool:
         return (self.bias is None and self.weight.dtype == torch.bfloat16 and self.out_features % 64 == 0
@@ -69,10 +68,17 @@ class Linear(nn.Linear):
         (the plain weight is dropped). False if the layer does not qualify."""
         if not self.gemm_packable():
             return False
-        self.gemm_weight, self.gemm_ops, self.gemm_max_rows = ops.gemm_pack(self.weight), ops, ops.gemm_max_rows
-        if self.gemm_max_rows is None:
+        self.gemm_weight, self.gemm_ops = ops.gemm_pack(self.weight), ops
+        if ops.gemm_max_rows is None:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         return True
+
+    def takes_gemm(self, rows: int) -> bool:
+        """Whether ``rows`` rows go to ``ops.gemm_linear`` (or a fused form of it)."""
+        if self.gemm_weight is None:
+            return False
+        limit = self.gemm_ops.gemm_max_rows
+        return limit is None or rows <= limit
 
     def pack(self, batch_hint: int) -> bool:
         """Reorder the weight for oneDNN once and drop the plain copy; False if not possible."""
@@ -85,8 +91,7 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemm_weight is not None and x.dtype == torch.bfloat16 and (
-                self.gemm_max_rows is None or x.shape[0] <= self.gemm_max_rows):
+        if x.dtype == torch.bfloat16 and self.takes_gemm(x.shape[0]):
             return self.gemm_ops.gemm_linear(x, self.gemm_weight)
         if self.packed_weight is not None:
             return linear(x, self.packed_weight, self.bias, packed=True)
@@ -169,11 +174,9 @@ class LlamaAttention(nn.Module):
         tr = meta.slot_mapping.shape[0]
         q = k = v = None  # k / v stay None where they live only in the cache (the backend reads them there)
         fused = not self.qk_norm and attn.prefill_reads_cache(x.dtype)
-        proj = self.qkv_proj
-        if fused and proj.gemm_weight is not None and self.head_dim == 64 and (
-                proj.gemm_max_rows is None or t <= proj.gemm_max_rows):
-            q = proj.gemm_ops.gemm_linear_rotary_qkv_to_cache(
-                x, proj.gemm_weight, rope, self.num_heads, key_cache, value_cache, meta.slot_mapping)
+        if fused and self.head_dim == 64 and self.qkv_proj.takes_gemm(t):
+            q = self.qkv_proj.gemm_ops.gemm_linear_rotary_qkv_to_cache(
+                x, self.qkv_proj.gemm_weight, rope, self.num_heads, key_cache, value_cache, meta.slot_mapping)
             qkv = None
         else:
             qkv = self.qkv_proj(x)

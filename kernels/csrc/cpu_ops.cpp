@@ -752,15 +752,10 @@ inline void dp_gemm(int64_t m, int64_t k, const at::BFloat16* a, int64_t lda, co
   const auto* a32 = reinterpret_cast<const uint32_t*>(a);
   const auto* b16 = reinterpret_cast<const uint16_t*>(b);
   const int64_t pairs = k / 2, lda32 = lda / 2;
-  int64_t r = 0;
-  for (; r + 6 <= m; r += 6) dp_rows<6>(pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN);
-  switch (m - r) {
-    case 5: dp_rows<5>(pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN); break;
-    case 4: dp_rows<4>(pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN); break;
-    case 3: dp_rows<3>(pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN); break;
-    case 2: dp_rows<2>(pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN); break;
-    case 1: dp_rows<1>(pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN); break;
-  }
+  using Rows = void (*)(int64_t, const uint32_t*, int64_t, const uint16_t*, float*);
+  static constexpr Rows kRows[] = {nullptr, dp_rows<1>, dp_rows<2>, dp_rows<3>, dp_rows<4>, dp_rows<5>, dp_rows<6>};
+  for (int64_t r = 0; r < m; r += 6)
+    kRows[std::min<int64_t>(6, m - r)](pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN);
 }
 
 // Runs x [M, K] against `groups` groups of `group` consecutive column blocks of the packed weight;
@@ -858,8 +853,8 @@ void gemm_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Ten
 // rotary_qkv_to_cache on gemm_linear's output: q_out [M, H, 64] = rotary(q); rows r < len(slots)
 // also get rotary(k) and v written to their cache slots.
 void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& positions,
-                                const at::Tensor& cos_table, const at::Tensor& sin_table, at::Tensor& q_out,
-                                at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+                                 const at::Tensor& cos_table, const at::Tensor& sin_table, at::Tensor& q_out,
+                                 at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   check_gemm(x, packed, "gemm_linear_rotary_to_cache");
   const int64_t m = x.size(0), heads = q_out.size(1), dim = kGemmBlockN;
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(3) == dim && key_cache.is_contiguous() &&
