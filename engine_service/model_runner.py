@@ -58,6 +58,9 @@ class ModelRunner:
                           and self.dtype == torch.bfloat16 and self.matmul_dtype == torch.bfloat16)
         self.packed_weights = self.device.type == "cpu" and self.model.pack_weights(
             config.max_num_seqs, gemm_ops=self.layer_ops if self.bf16_gemm else None)
+        # The decoder layers in one C++ call a step where the layers allow (LlamaForCausalLM.build_layer_stack).
+        if self.device.type == "cpu" and self.packed_weights:
+            self.model.build_layer_stack(self.layer_ops)
         logger.info("model loaded in %.2f s%s%s", time.perf_counter() - t0,
                     " (GEMM weights packed for oneDNN)" if self.packed_weights else "",
                     " (decoder layers for Pagoda's bf16 GEMMs)" if self.bf16_gemm else "")

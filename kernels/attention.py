@@ -75,6 +75,11 @@ class TorchAttention:
         path attends a first chunk to the k / v it is given."""
         return False
 
+    def kernel_tensors(self, meta: AttentionMetadata, dtype: torch.dtype) -> tuple | None:
+        """The C++ paged kernels' inputs for this step (CpuAttention), for a caller that runs them
+        itself (``CpuLayerOps.decoder_layers``); None: this backend has no such kernels."""
+        return None
+
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         if self.device.type != "cpu":  # the runner builds the metadata on the host
             for name in ("slot_mapping", "decode_block_tables", "decode_seq_lens", "prefill_block_tables"):

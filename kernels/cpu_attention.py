@@ -41,6 +41,7 @@ _lock = threading.Lock()
 _op = None  # torch.ops.pagoda_cpu.paged_decode_attention once loaded
 _prefill_op = None  # torch.ops.pagoda_cpu.paged_prefill_attention
 _prefill_dtypes: dict[torch.dtype, bool] = {}
+_NO_INTS = torch.empty(0, dtype=torch.int32)
 
 
 def _cache_root() -> Path:
@@ -201,6 +202,24 @@ class CpuAttention(TorchAttention):
             cache["prefill_seq_lens"] = meta.prefill_seq_lens.to(torch.int32)
             cache["prefill_block_tables"] = meta.prefill_block_tables.to(torch.int32).contiguous()
         meta.cache = cache
+
+    def kernel_tensors(self, meta: AttentionMetadata, dtype: torch.dtype) -> tuple | None:
+        """(decode block tables, decode seq_lens, prefill block tables, prefill query starts,
+        prefill seq_lens), int32 as the kernels take them (empty where the step has no prefill);
+        None where a prefill needs the torch fallback."""
+        c = meta.cache
+        if meta.num_prefills:
+            if not prefill_supported(dtype):
+                return None
+            prefill = (c["prefill_block_tables"], c["prefill_query_start"], c["prefill_seq_lens"])
+        else:
+            prefill = (_NO_INTS, _NO_INTS, _NO_INTS)
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+        if tables.dtype != torch.int32:
+            tables = tables.to(torch.int32)
+        if lens.dtype != torch.int32 or not lens.is_contiguous():
+            lens = lens.to(torch.int32).contiguous()
+        return (tables, lens, *prefill)
 
     def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:

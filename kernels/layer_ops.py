@@ -8,6 +8,7 @@ over memory and fewer OpenMP regions, which also makes a step far less sensitive
 summation order of the RMSNorm mean.
 
 Rotary inputs are prepared once per forward (``rope_inputs``) and reused by every layer.
+``CpuLayerOps.decoder_layers`` runs a whole stack of Llama layers on these kernels in one C++ call.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class TorchLayerOps:
     name = "torch"
     bf16_gemm = False  # CpuLayerOps on a CPU with AVX512-BF16 or AMX-BF16: the gemm_* GEMMs below
     gemm_max_rows: int | None = 0  # the most rows the model hands gemm_linear (None: any number)
+    runs_decoder_layers = False  # CpuLayerOps: decoder_layers, a stack of Llama layers in one C++ call
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
@@ -93,6 +95,8 @@ class CpuLayerOps(TorchLayerOps):
         self._gemm_linear = torch.ops.pagoda_cpu.gemm_linear.default
         self._gemm_linear_silu_mul = torch.ops.pagoda_cpu.gemm_linear_silu_mul.default
         self._gemm_linear_rotary_to_cache = torch.ops.pagoda_cpu.gemm_linear_rotary_to_cache.default
+        self._decoder_layers = torch.ops.pagoda_cpu.decoder_layers.default
+        self.runs_decoder_layers = True
 
     def rms_norm(self, x, residual, weight, eps):
         if x.dtype not in self._DTYPES or x.dim() != 2 or x.stride(-1) != 1 or weight.dtype != x.dtype:
@@ -168,6 +172,25 @@ class CpuLayerOps(TorchLayerOps):
         self._gemm_linear_rotary_to_cache(x, packed, positions, cos_table, sin_table, q, key_cache, value_cache,
                                          slot_mapping.contiguous())
         return q
+
+    # ---- a stack of decoder layers in one call (LlamaForCausalLM.layer_stack) ---------------------
+
+    def decoder_layers(self, h: torch.Tensor, residual: torch.Tensor | None, weights: list[torch.Tensor],
+                       kv_caches: list[torch.Tensor], rope, slot_mapping: torch.Tensor, num_decode: int,
+                       attn_tensors: tuple, num_heads: int, eps: float, scale: float):
+        """What LlamaDecoderLayer.forward does, for each layer of ``weights`` (``LAYER_WEIGHTS`` a
+        layer: norms, then each projection in our GEMM layout and oneDNN's, an empty tensor for the
+        one it lacks) in one C++ call (``csrc/cpu_ops.cpp``, the same kernels, bitwise the same
+        result). ``kv_caches``: each layer's key and value cache; ``attn_tensors``: the attention
+        backend's ``kernel_tensors``. Returns (MLP output, residual stream) of the last layer."""
+        positions, cos_table, sin_table, _ = rope
+        limit = -1 if self.gemm_max_rows is None else self.gemm_max_rows
+        return self._decoder_layers(h, residual, weights, kv_caches, positions, cos_table, sin_table,
+                                    slot_mapping.contiguous(), num_decode, *attn_tensors, num_heads, eps, scale, limit)
+
+
+LAYER_WEIGHTS = ("input_norm", "post_attention_norm", "qkv", "qkv_onednn", "o", "o_onednn", "gate_up",
+                 "gate_up_onednn", "down", "down_onednn")  # CpuLayerOps.decoder_layers' weights of a layer
 
 
 def interleave_gate_up(weight: torch.Tensor, block: int = 64) -> torch.Tensor:

@@ -230,19 +230,24 @@ def test_importing_pagoda_kernels_does_not_confuse_transformers():
 
 def _logits_per_step(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], prune: bool):
     """Step ``llm`` through ``prompts``: every step's logits, the outputs, and how many rows each
-    step's last MLP ran on."""
+    step's last layer ran on."""
     engine = llm.llm_engine
     runner = engine.runner
     runner.prune_last_layer = prune
     steps, last_rows = [], []
-    compute_logits, last_mlp = runner.model.compute_logits, runner.model.layers[-1].mlp
+    model = runner.model
+    compute_logits, forward = model.compute_logits, model.forward
 
     def recording_compute_logits(hidden):
         steps.append(compute_logits(hidden).clone())  # as computed, before the sampler sees it
         return steps[-1]
 
-    runner.model.compute_logits = recording_compute_logits
-    hook = last_mlp.register_forward_pre_hook(lambda m, args: last_rows.append(args[0].shape[0]))
+    def recording_forward(input_ids, positions, kv_caches, meta, attn, ops=None, keep=None):
+        # The last layer's rows (it may run in C++ with the others: LlamaForCausalLM.layer_stack).
+        last_rows.append(input_ids.shape[0] if keep is None else keep.index.shape[0])
+        return forward(input_ids, positions, kv_caches, meta, attn, ops, keep)
+
+    model.compute_logits, model.forward = recording_compute_logits, recording_forward
     try:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(str(i), {"prompt_token_ids": p}, sp)
@@ -251,8 +256,7 @@ def _logits_per_step(llm: LLM, prompts: list[list[int]], params: list[SamplingPa
             for out in engine.step():
                 outputs[out.request_id] = [c.token_ids for c in out.outputs]
     finally:
-        runner.model.compute_logits = compute_logits
-        hook.remove()
+        del model.compute_logits, model.forward
         runner.prune_last_layer = True
     return steps, outputs, last_rows
 
@@ -314,3 +318,53 @@ def test_last_layer_on_sampled_rows_only_gives_the_same_logits(tiny_llama_dir, b
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), f"step {i}: logits differ"
     assert llm.llm_engine.scheduler.num_accepted_tokens > 0, "no speculative chunk was verified"
+
+
+@pytest.mark.parametrize("model,dtype", [("tiny", "float32"), ("tiny", "bfloat16"), ("bundled", "bfloat16")])
+def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir, bundled_dir, prompts, model,
+                                                                  dtype):
+    """On CPU the decoder layers run in one C++ call a step (``LlamaForCausalLM.layer_stack``,
+    ``CpuLayerOps.decoder_layers``): every step's logits are bitwise those of the Python layers,
+    in steps mixing chunked prefill, decodes, speculative chunks, GEMM padding rows and the pruned
+    last layer. float32 runs every projection on oneDNN, bfloat16 on our GEMMs (tiny: head_dim 16,
+    QKV then rotary; bundled: the fused QKV + rotary); where our GEMMs have a row limit (AMX), the
+    bundled model runs again with the limit lowered to 16 rows, so most steps take oneDNN's."""
+    llm = LLM(tiny_llama_dir if model == "tiny" else bundled_dir, dtype=dtype, max_num_batched_tokens=40,
+              num_speculative_tokens=3, max_model_len=512, seed=0, enable_prefix_caching=False)
+    runner = llm.llm_engine.runner
+    stack, ops = runner.model.layer_stack, runner.layer_ops
+    assert stack is not None, "the decoder layers do not run in one call on this CPU"
+    calls = []
+    decoder_layers = ops.decoder_layers
+
+    def counted(h, *args):
+        calls.append(h.shape[0])
+        return decoder_layers(h, *args)
+
+    ops.decoder_layers = counted
+    ps = [p * 3 for p in prompts[:6]]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) if i % 3 else
+              SamplingParams(temperature=0.8, n=2, seed=i, max_tokens=12, ignore_eos=True) for i in range(len(ps))]
+    limits = [ops.gemm_max_rows]
+    if model == "bundled" and ops.gemm_max_rows is not None:
+        limits.append(16)
+    try:
+        for limit in limits:
+            ops.gemm_max_rows = limit
+            runner.model.layer_stack = None
+            want, want_out, _ = _logits_per_step(llm, ps, params, prune=True)
+            assert not calls
+            runner.model.layer_stack = stack
+            got, got_out, forwards = _logits_per_step(llm, ps, params, prune=True)
+            assert len(calls) == len(forwards), "a step ran its layers in Python"
+            assert got_out == want_out
+            assert len(got) == len(want)
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert torch.equal(g, w), f"gemm_max_rows {limit}, step {i}: logits differ"
+            if limit == 16:
+                assert max(calls) > 16, "no step went past the lowered row limit"
+            calls.clear()
+    finally:
+        del ops.decoder_layers
+        ops.gemm_max_rows = limits[0]
+        runner.model.layer_stack = stack

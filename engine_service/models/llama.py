@@ -2,7 +2,9 @@
 
 The forward takes the step's new tokens back to back (no padding) with their positions; each
 attention layer writes their K/V into the paged cache and reads the context through block tables.
-Q/K/V and gate/up projections are fused into one matmul each at load time.
+Q/K/V and gate/up projections are fused into one matmul each at load time. On CPU the decoder
+layers usually run in one C++ call a step (``LlamaForCausalLM.build_layer_stack``); the Python
+layers below are what it computes, and run where it does not apply.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda_kernels.attention import AttentionMetadata
-from pagoda_kernels.layer_ops import TorchLayerOps, interleave_gate_up
+from pagoda_kernels.layer_ops import LAYER_WEIGHTS, TorchLayerOps, interleave_gate_up
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -280,6 +282,9 @@ class LlamaForCausalLM(nn.Module):
         # builds a primitive per row count on first use (~2 ms per weight shape on a 2-core Xeon), and
         # as requests finish nearly every decode step has a new count (~10 ms a step before this).
         self.gemm_row_multiple = 1
+        # The decoder layers' weights for ops.decoder_layers (build_layer_stack): forward then runs
+        # them in one C++ call instead of layer by layer from Python. None: the Python layers.
+        self.layer_stack: list[torch.Tensor] | None = None
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         cos, sin = _rope_tables(config, max_positions)
@@ -303,11 +308,68 @@ class LlamaForCausalLM(nn.Module):
         rope = ops.rope_inputs(positions, self.rope_cos, self.rope_sin, h.dtype)
         residual = None
         last = len(self.layers) - 1
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            h, residual = layer(h, residual, rope, kv_cache, meta, attn, ops, keep if i == last else None)
+        start = 0
+        attn_tensors = (attn.kernel_tensors(meta, h.dtype)
+                        if self.layer_stack is not None and ops.runs_decoder_layers else None)
+        if attn_tensors is not None:
+            # Every layer in one C++ call, but the last where it runs on the kept rows only.
+            start = last if keep is not None else last + 1
+            n = len(LAYER_WEIGHTS)
+            a = self.layers[0].self_attn
+            h, residual = ops.decoder_layers(
+                h, None, self.layer_stack[:start * n], [c for pair in kv_caches[:start] for c in pair], rope,
+                meta.slot_mapping, meta.num_decode_tokens, attn_tensors, a.num_heads,
+                self.layers[0].input_layernorm.eps, a.scale)
+        for i in range(start, last + 1):
+            h, residual = self.layers[i](h, residual, rope, kv_caches[i], meta, attn, ops,
+                                         keep if i == last else None)
         if keep is not None:
             t = keep.rows.shape[0]
         return ops.rms_norm(h, residual, self.norm.weight, self.norm.eps)[:t]
+
+    def build_layer_stack(self, ops: TorchLayerOps) -> bool:
+        """Have ``forward`` run the decoder layers through ``ops.decoder_layers`` (one C++ call a
+        step) where every layer is what that call computes: no biases or q/k norms, norms sharing
+        one eps, each projection on our bf16 GEMM and/or a oneDNN-packed weight of the activations'
+        dtype (our GEMM's with a row limit needs oneDNN's beside it). Call after ``pack_weights``;
+        False (the Python layers) where anything differs."""
+        self.layer_stack = None
+        if not ops.runs_decoder_layers or not self.layers:
+            return False
+        dtype = self.embed_tokens.weight.dtype
+        if dtype not in (torch.float32, torch.bfloat16):  # the fused rotary / K/V write's dtypes
+            return False
+        limited = ops.gemm_max_rows is not None
+        empty = torch.empty(0, dtype=dtype)
+
+        def onednn(linear: Linear) -> torch.Tensor:
+            w = linear.packed_weight
+            return w if w is not None and w.dtype == dtype else empty
+
+        def ours(linear: Linear) -> torch.Tensor:
+            return linear.gemm_weight if linear.gemm_weight is not None else empty
+
+        eps = self.layers[0].input_layernorm.eps
+        weights = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if (attn.qk_norm or attn.head_dim % 2 or any(p.bias is not None for p in projections)
+                    or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}):
+                return False
+            gate_up = mlp.gate_up_gemm if mlp.gate_up_gemm is not None else empty
+            pairs = [(ours(attn.qkv_proj), onednn(attn.qkv_proj)), (ours(attn.o_proj), onednn(attn.o_proj)),
+                     (gate_up, onednn(mlp.gate_up_proj)), (ours(mlp.down_proj), onednn(mlp.down_proj))]
+            for i, (gemm, dnn) in enumerate(pairs):
+                gate_up_pair = i == 2  # our gate/up runs at every row count
+                if not dnn.numel() and (not gemm.numel() or (limited and not gate_up_pair)):
+                    return False
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if any(w.dtype != dtype for w in norms):
+                return False
+            weights += norms + [w for pair in pairs for w in pair]
+        self.layer_stack = weights
+        return True
 
     def kept_rows(self, rows: torch.Tensor, meta: AttentionMetadata) -> KeptRows:
         """``KeptRows`` for the ascending row indices ``rows`` (see there)."""

@@ -39,6 +39,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "pagoda_cpu.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -1866,6 +1868,22 @@ bool set_prefill_amx(bool enabled) {
 }
 
 }  // namespace
+
+namespace pagoda {
+
+void decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out,
+                      int64_t num_threads) {
+  paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, out, num_threads);
+}
+
+void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                       const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                       double scale, at::Tensor& out, int64_t num_threads) {
+  paged_prefill_attention(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out, num_threads);
+}
+
+}  // namespace pagoda
 
 TORCH_LIBRARY(pagoda_cpu, m) {
   m.def(
