@@ -58,6 +58,7 @@ def main() -> int:
     old_op = load_cpu_baseline(args.old).paged_decode_attention.default
     engine = LLM(dtype=args.dtype, block_size=args.block_size).llm_engine
     runner = engine.runner
+    runner.model.layer_stack = None  # the layers from Python, so every decode call goes through attn.decode
     if runner.attn.name != "cpu":
         ap.error(f"the engine runs the {runner.attn.name!r} attention backend, not the C++ one")
     new_decode = runner.attn.decode

@@ -6,7 +6,10 @@ Wraps the callables of one engine's step with wall-clock timers (the linear laye
 decode / prefill attention, the KV write, the fused layer ops, the model forward, the runner's
 step and the scheduler), adds every request of the workload at t0 as bench/engine_runner.py does,
 and steps to completion. Prints the run's output tokens/s and each part's seconds, share of the
-run and call count. The timers cost a few microseconds per call (~1% of a W run), so compare
+run and call count. The decoder layers run from Python here (``LlamaForCausalLM.layer_stack`` off:
+the same kernels, but the engine's one C++ call for all layers would hide them from the timers), so
+the run is a few % slower than the engine's; ``--layer-stack`` keeps the C++ call (then only the
+forward, LM head, last pruned layer, runner and scheduler are split). The timers cost a few microseconds per call (~1% of a W run), so compare
 parts within one run, and speeds between runs with bench/compare.py. The same split is what
 bench/RESULTS.md reports per host.
 """
@@ -32,6 +35,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--num-speculative-tokens", type=int, default=0, help="prompt-lookup drafts per step (0: off)")
     ap.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
+    ap.add_argument("--layer-stack", action="store_true",
+                    help="keep the decoder layers in one C++ call (their parts are then not timed)")
     args = ap.parse_args()
 
     import engine_service.models.llama as llama
@@ -41,6 +46,8 @@ def main() -> int:
     engine = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                  num_speculative_tokens=args.num_speculative_tokens).llm_engine
     runner = engine.runner
+    if not args.layer_stack:
+        runner.model.layer_stack = None
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
 
