@@ -113,7 +113,7 @@ def load_cpu_baseline(path):
 
     from torch.utils.cpp_extension import load
 
-    from pagoda_kernels.cpu_attention import _CFLAGS, _LDFLAGS, _cache_root, _ensure_ninja_on_path
+    from pagoda_kernels.cpu_attention import _CFLAGS, _CSRC, _LDFLAGS, _cache_root, _ensure_ninja_on_path
 
     src = Path(path).read_text()
     assert "TORCH_LIBRARY(pagoda_cpu," in src, f"{path}: no TORCH_LIBRARY(pagoda_cpu, ...) block"
@@ -124,7 +124,8 @@ def load_cpu_baseline(path):
     (build_dir / "baseline.cpp").write_text(src)
     _ensure_ninja_on_path()
     load(name=f"pagoda_cpu_baseline_{tag}", sources=[str(build_dir / "baseline.cpp")], extra_cflags=_CFLAGS,
-         extra_ldflags=_LDFLAGS, build_directory=str(build_dir), is_python_module=False)
+         extra_ldflags=_LDFLAGS, extra_include_paths=[str(_CSRC)],  # its headers (pagoda_cpu.h)
+         build_directory=str(build_dir), is_python_module=False)
     return torch.ops.pagoda_cpu_baseline
 
 
