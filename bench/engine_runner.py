@@ -92,6 +92,8 @@ def run_pagoda(args, requests) -> dict:
         opts["num_speculative_tokens"] = args.num_speculative_tokens
     llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, matmul_dtype=args.matmul_dtype, **opts)
     engine = llm.llm_engine
+    if getattr(args, "python_layers", False):
+        engine.runner.model.layer_stack = None  # bench/layer_stack_ab.py: the decoder layers from Python
 
     warm_up_pagoda(engine, requests)
     res = drive(engine, pagoda_adder(engine, args.detokenize), requests)
@@ -212,6 +214,8 @@ def main() -> int:
     ap.add_argument("--engine", required=True, choices=["pagoda", "vllm", "hf-single", "hf-static", "hf-cb", "llamacpp"])
     add_engine_arguments(ap)
     ap.add_argument("--gguf", default=None, help="llamacpp: the bundled model's GGUF file")
+    ap.add_argument("--python-layers", action="store_true",
+                    help="pagoda: run the decoder layers from Python, not in one C++ call (LlamaForCausalLM.layer_stack)")
     ap.add_argument("--no-detokenize", dest="detokenize", action="store_false",
                     help="pagoda: skip detokenization (vLLM detokenizes; the default keeps it on)")
     args = ap.parse_args()

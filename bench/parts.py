@@ -6,12 +6,14 @@ Wraps the callables of one engine's step with wall-clock timers (the linear laye
 decode / prefill attention, the KV write, the fused layer ops, the model forward, the runner's
 step and the scheduler), adds every request of the workload at t0 as bench/engine_runner.py does,
 and steps to completion. Prints the run's output tokens/s and each part's seconds, share of the
-run and call count. The decoder layers run from Python here (``LlamaForCausalLM.layer_stack`` off:
-the same kernels, but the engine's one C++ call for all layers would hide them from the timers), so
-the run is a few % slower than the engine's; ``--layer-stack`` keeps the C++ call (then only the
-forward, LM head, last pruned layer, runner and scheduler are split). The timers cost a few microseconds per call (~1% of a W run), so compare
+run and call count. The timers cost a few microseconds per call (~1% of a W run), so compare
 parts within one run, and speeds between runs with bench/compare.py. The same split is what
 bench/RESULTS.md reports per host.
+
+The decoder layers run from Python here (``LlamaForCausalLM.layer_stack`` off: the same kernels,
+but the engine's one C++ call for all layers would hide them from the timers), so the run is a few
+% slower than the engine's (bench/layer_stack_ab.py); ``--layer-stack`` keeps the C++ call (then
+only the forward, LM head, last pruned layer, runner and scheduler are split).
 """
 from __future__ import annotations
 

@@ -107,6 +107,14 @@ def load_extension(verbose: bool = False):
         return _op
 
 
+def _int32(t: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
+    """``t`` as the kernels take it: int32, and contiguous for the lengths and offsets (a block
+    table's rows may be strided: ``contiguous=False``)."""
+    if t.dtype != torch.int32:
+        t = t.to(torch.int32)
+    return t.contiguous() if contiguous else t
+
+
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,10 +127,7 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     Accumulation is in float32. A sequence of length 0 gets zeros.
     """
     op = _op if _op is not None else load_extension()
-    if block_tables.dtype != torch.int32:
-        block_tables = block_tables.to(torch.int32)
-    if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
-        seq_lens = seq_lens.to(torch.int32).contiguous()
+    block_tables, seq_lens = _int32(block_tables, contiguous=False), _int32(seq_lens)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     op(q, key_cache, value_cache, block_tables, seq_lens, float(scale), out, torch.get_num_threads())
@@ -153,12 +158,8 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
     """
     if _prefill_op is None:
         load_extension()
-    if block_tables.dtype != torch.int32:
-        block_tables = block_tables.to(torch.int32)
-    if query_start_loc.dtype != torch.int32 or not query_start_loc.is_contiguous():
-        query_start_loc = query_start_loc.to(torch.int32).contiguous()
-    if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
-        seq_lens = seq_lens.to(torch.int32).contiguous()
+    block_tables = _int32(block_tables, contiguous=False)
+    query_start_loc, seq_lens = _int32(query_start_loc), _int32(seq_lens)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _prefill_op(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, float(scale), out,
@@ -214,12 +215,7 @@ class CpuAttention(TorchAttention):
             prefill = (c["prefill_block_tables"], c["prefill_query_start"], c["prefill_seq_lens"])
         else:
             prefill = (_NO_INTS, _NO_INTS, _NO_INTS)
-        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
-        if tables.dtype != torch.int32:
-            tables = tables.to(torch.int32)
-        if lens.dtype != torch.int32 or not lens.is_contiguous():
-            lens = lens.to(torch.int32).contiguous()
-        return (tables, lens, *prefill)
+        return (_int32(meta.decode_block_tables, contiguous=False), _int32(meta.decode_seq_lens), *prefill)
 
     def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:

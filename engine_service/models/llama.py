@@ -360,10 +360,10 @@ class LlamaForCausalLM(nn.Module):
             gate_up = mlp.gate_up_gemm if mlp.gate_up_gemm is not None else empty
             pairs = [(ours(attn.qkv_proj), onednn(attn.qkv_proj)), (ours(attn.o_proj), onednn(attn.o_proj)),
                      (gate_up, onednn(mlp.gate_up_proj)), (ours(mlp.down_proj), onednn(mlp.down_proj))]
-            for i, (gemm, dnn) in enumerate(pairs):
-                gate_up_pair = i == 2  # our gate/up runs at every row count
-                if not dnn.numel() and (not gemm.numel() or (limited and not gate_up_pair)):
-                    return False
+            # Each projection needs oneDNN's weight unless ours takes every row count (gate/up always does).
+            every_row = (not limited, not limited, True, not limited)
+            if any(not dnn.numel() and not (gemm.numel() and every) for (gemm, dnn), every in zip(pairs, every_row)):
+                return False
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             if any(w.dtype != dtype for w in norms):
                 return False
