@@ -1163,14 +1163,14 @@ PAGODA_INLINE void panel_pv(float* O, int D, int d0, const float* alpha, const f
 template <typename T, int R>
 PAGODA_INLINE void panel_pv_all(float* O, int D, const float* alpha, const float* P, int nk, const float* vp,
                                 const void* const* vrow) {
+  // 32 head_dim columns a pass (R x 2 accumulators). With 64 (R x 4 = 24 accumulators, 4 V vectors
+  // and the broadcast P) gcc 12 spilled an accumulator to the stack and reloaded the V vectors for
+  // every row; the second pass reloads P and the tile from L1 instead. Zen 5, SmolLM2 shapes
+  // (bench/prefill_kernel_ab.py, bench/RESULTS.md twenty-third session): bf16 1.14-1.33x, fp32
+  // 1.04-1.12x; the same output bit for bit.
   int d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) panel_pv<T, R, 4>(O, D, d0, alpha, P, nk, vp, vrow);
-  switch ((D - d0) / 16) {
-    case 1: panel_pv<T, R, 1>(O, D, d0, alpha, P, nk, vp, vrow); break;
-    case 2: panel_pv<T, R, 2>(O, D, d0, alpha, P, nk, vp, vrow); break;
-    case 3: panel_pv<T, R, 3>(O, D, d0, alpha, P, nk, vp, vrow); break;
-    default: break;
-  }
+  for (; d0 + 32 <= D; d0 += 32) panel_pv<T, R, 2>(O, D, d0, alpha, P, nk, vp, vrow);
+  if (d0 < D) panel_pv<T, R, 1>(O, D, d0, alpha, P, nk, vp, vrow);  // D % 32 == 16
 }
 
 // Online softmax of a panel, shared by the vector and AMX panels. alpha[r] = 2^(m_old - m_new) for
