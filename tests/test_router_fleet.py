@@ -229,8 +229,11 @@ def test_batch_models_health_reflection_and_metrics(fleet, expected):
 def test_kill_a_router_mid_load(fleet, expected):
     r1, r2 = fleet["routers"]
     db = fleet["db"]
-    # r2's clients fill the queue with long requests; r1's clients run alongside.
-    doomed = [[(f"doomed-{c}-{k}", PROMPTS[(7 * c + k) % len(PROMPTS)], LONG) for k in range(3)] for c in range(16)]
+    # r2's clients fill the queue with long requests; r1's clients run alongside. r2 alone has more
+    # clients (28) than the engines have slots (2 x (8 running + 2 waiting)), so at least 8 of its
+    # requests wait in the queue whatever the order of admission (with 16 it took all four
+    # overflow places only when r1's clients happened to be admitted first).
+    doomed = [[(f"doomed-{c}-{k}", PROMPTS[(7 * c + k) % len(PROMPTS)], LONG) for k in range(3)] for c in range(28)]
     kept = [[(f"kept-{c}-{k}", PROMPTS[(5 * c + k) % len(PROMPTS)], SHORT) for k in range(3)] for c in range(8)]
 
     async def main():
