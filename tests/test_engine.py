@@ -327,8 +327,10 @@ def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir
     ``CpuLayerOps.decoder_layers``): every step's logits are bitwise those of the Python layers,
     in steps mixing chunked prefill, decodes, speculative chunks, GEMM padding rows and the pruned
     last layer. float32 runs every projection on oneDNN, bfloat16 on our GEMMs (tiny: head_dim 16,
-    QKV then rotary; bundled: the fused QKV + rotary); where our GEMMs have a row limit (AMX), the
-    bundled model runs again with the limit lowered to 16 rows, so most steps take oneDNN's."""
+    QKV then rotary; bundled: the fused QKV + rotary), or where the CPU has no bf16 dot products
+    on oneDNN's float32 weights (activations widened, outputs rounded back); where our GEMMs have
+    a row limit (AMX), the bundled model runs again with the limit lowered to 16 rows, so most
+    steps take oneDNN's."""
     llm = LLM(tiny_llama_dir if model == "tiny" else bundled_dir, dtype=dtype, max_num_batched_tokens=40,
               num_speculative_tokens=3, max_model_len=512, seed=0, enable_prefix_caching=False)
     runner = llm.llm_engine.runner

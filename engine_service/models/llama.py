@@ -331,7 +331,7 @@ class LlamaForCausalLM(nn.Module):
         """Have ``forward`` run the decoder layers through ``ops.decoder_layers`` (one C++ call a
         step) where every layer is what that call computes: no biases or q/k norms, norms sharing
         one eps, each projection on our bf16 GEMM and/or a oneDNN-packed weight of the activations'
-        dtype (our GEMM's with a row limit needs oneDNN's beside it). Call after ``pack_weights``;
+        dtype or float32 (our GEMM's with a row limit needs oneDNN's beside it). Call after ``pack_weights``;
         False (the Python layers) where anything differs."""
         self.layer_stack = None
         if not ops.runs_decoder_layers or not self.layers:
@@ -343,8 +343,10 @@ class LlamaForCausalLM(nn.Module):
         empty = torch.empty(0, dtype=dtype)
 
         def onednn(linear: Linear) -> torch.Tensor:
+            # bf16 activations on a float32 weight (CPUs without bf16 dot products): the call widens
+            # x and rounds the output back, as ``linear`` does.
             w = linear.packed_weight
-            return w if w is not None and w.dtype == dtype else empty
+            return w if w is not None and w.dtype in (dtype, torch.float32) else empty
 
         def ours(linear: Linear) -> torch.Tensor:
             return linear.gemm_weight if linear.gemm_weight is not None else empty

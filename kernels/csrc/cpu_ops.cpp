@@ -921,8 +921,12 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
 // 0.9 ms for the same Python with warm caches). Here a layer's glue is a few tensor headers.
 
 // x [M, K] @ W.T through oneDNN, on a weight blocked by torch.ops.mkldnn._reorder_linear_weight
-// (what LlamaForCausalLM's packed Linear calls: torch.ops.mkldnn._linear_pointwise).
+// (what LlamaForCausalLM's packed Linear calls: torch.ops.mkldnn._linear_pointwise). A weight wider
+// than x (a bf16 model on a CPU without bf16 dot products keeps float32 weights) multiplies x
+// widened and the output is rounded back to x's dtype, as llama.py's linear() does.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight) {
+  if (weight.scalar_type() != x.scalar_type())
+    return onednn_linear(x.to(weight.scalar_type()), weight).to(x.scalar_type());
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, weight, c10::IValue(), c10::IValue("none"),
