@@ -6,7 +6,8 @@
 Both run on the same inputs, alternating, best of five rounds of enough calls for ~2 GFLOP each.
 Prints each form's GFLOP/s and the ratio (> 1: the packed weight faster). The engine packs every
 float32 weight (``pack_cpu_weight``); bench/RESULTS.md (twenty-fourth session) reads this on an
-AVX2-only host, where the plain weight was 5-13% faster from 256 rows up.
+AVX2-only host, where the plain weight was 3-15% faster at 2048 rows, yet running those steps on it
+gained no clear time over W.
 """
 from __future__ import annotations
 

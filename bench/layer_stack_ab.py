@@ -20,9 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(dtype: str, python_layers: bool) -> float:
-    cmd = [sys.executable, str(ROOT / "bench" / "engine_runner.py"), "--engine", "pagoda", "--dtype", dtype]
-    if python_layers:
-        cmd.append("--python-layers")
+    return run_runner(dtype, ["--python-layers"] if python_layers else [])
+
+
+def run_runner(dtype: str, options: list[str]) -> float:
+    """Output tokens/s of one ``engine_runner.py --engine pagoda`` W run with ``options``."""
+    cmd = [sys.executable, str(ROOT / "bench" / "engine_runner.py"), "--engine", "pagoda", "--dtype", dtype, *options]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
