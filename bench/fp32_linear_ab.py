@@ -26,7 +26,8 @@ from engine_service.models.llama import linear, pack_cpu_weight  # noqa: E402
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm": (49152, 576)}
 
 
-def best(fn, reps: int) -> float:
+def seconds(fn, reps: int) -> float:
+    """Seconds for ``reps`` calls of ``fn`` after one untimed call."""
     fn()
     t = time.perf_counter()
     for _ in range(reps):
@@ -53,8 +54,8 @@ def main() -> None:
             reps = max(3, int(2e9 / (2 * rows * n * k)))
             plain_s, packed_s = [], []
             for _ in range(5):
-                plain_s.append(best(lambda: F.linear(x, w), reps))
-                packed_s.append(best(lambda: linear(x, packed, packed=True), reps))
+                plain_s.append(seconds(lambda: F.linear(x, w), reps))
+                packed_s.append(seconds(lambda: linear(x, packed, packed=True), reps))
             flop = 2 * rows * n * k * reps
             a, b = min(plain_s), min(packed_s)
             print(f"| {rows} | {name} | {flop / a / 1e9:.1f} | {flop / b / 1e9:.1f} | {a / b:.2f} |")

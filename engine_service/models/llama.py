@@ -331,8 +331,8 @@ class LlamaForCausalLM(nn.Module):
         """Have ``forward`` run the decoder layers through ``ops.decoder_layers`` (one C++ call a
         step) where every layer is what that call computes: no biases or q/k norms, norms sharing
         one eps, each projection on our bf16 GEMM and/or a oneDNN-packed weight of the activations'
-        dtype or float32 (our GEMM's with a row limit needs oneDNN's beside it). Call after ``pack_weights``;
-        False (the Python layers) where anything differs."""
+        dtype or float32 (our GEMM's with a row limit needs oneDNN's beside it). Call after
+        ``pack_weights``; False (the Python layers) where anything differs."""
         self.layer_stack = None
         if not ops.runs_decoder_layers or not self.layers:
             return False
