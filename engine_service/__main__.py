@@ -134,7 +134,8 @@ ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tok
 
 def serve(args: argparse.Namespace) -> None:
     from engine_service.config import EngineConfig
-    from engine_service.server import EngineServer, configure_logging
+    from engine_service.server import EngineServer
+    from router.logs import configure_logging
 
     configure_logging(args.log_level)
     config = EngineConfig(model=args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})

@@ -1,5 +1,5 @@
-"""structlog JSON logs on stderr, as the engine service writes them (same fields, so a request id
-can be followed from router to engine). Kept here rather than imported from ``engine_service``:
+"""structlog JSON logs on stderr, for the router and the engine service alike (same fields, so a
+request id can be followed from router to engine). It lives here rather than in ``engine_service``:
 that package loads torch, which a router never needs."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import structlog
 
 
 def configure_logging(level: str = "INFO") -> None:
+    """JSON logs on stderr through structlog, the standard library's records (the engine core's) included."""
     shared = [structlog.contextvars.merge_contextvars, structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name,
               structlog.processors.TimeStamper(fmt="iso", utc=True)]
     # filter_by_level first: an event below the level (the router's per-request debug events) is
