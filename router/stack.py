@@ -109,6 +109,10 @@ async def _demo(target: str, max_tokens: int) -> None:
           f"TTFT p50 {statistics.median(ttft):.0f} ms / max {max(ttft):.0f} ms")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(args: argparse.Namespace) -> None:
     if shutil.which("redis-server") is None:
         sys.exit(REDIS_MISSING)
@@ -118,42 +122,46 @@ def main(args: argparse.Namespace) -> None:
     target = f"127.0.0.1:{router_port}"
     procs: list[subprocess.Popen] = []
     log_level = ["--log-level", "WARNING"]
+    # The children run in sessions of their own, so a Ctrl-C in the terminal reaches this process
+    # alone, and SIGTERM / SIGHUP end it as Ctrl-C does: it then stops them in order (below).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     try:
         print(f"redis-server on 127.0.0.1:{redis_port}")
         procs.append(subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                                        "--appendonly", "no", "--dir", workdir],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         _wait_redis(redis_port, procs[-1])
         print(f"engine ({args.model}, {args.dtype}) on 127.0.0.1:{engine_port}")
         procs.append(subprocess.Popen([sys.executable, "-m", "engine_service", "serve", "--model", args.model,
                                        "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(engine_port),
                                        "--metrics-port", str(_free_port()), "--redis-url", redis_url, *log_level],
-                                      env=colocated_engine_env()))
+                                      env=colocated_engine_env(), start_new_session=True))
         print(f"router on {target}")
         procs.append(subprocess.Popen([sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port",
                                        str(router_port), "--metrics-port", str(_free_port()), "--redis-url",
-                                       redis_url, *log_level]))
+                                       redis_url, *log_level], start_new_session=True))
         _wait_serving(target, procs)
         asyncio.run(_demo(target, args.max_tokens))
         if args.keep_running:
-            print(f"\nserving on {target} (python -m router generate --target {target} \"...\"); Ctrl-C stops")
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            print(f"\nserving on {target} (python -m router generate --target {target} \"...\"); Ctrl-C stops",
+                  flush=True)
+            while True:
+                time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
+        # Router, then engine, then Redis, each gone before the next is asked: the services
+        # deregister from Redis on their way out. A second Ctrl-C (or SIGTERM) here is ignored.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         for p in reversed(procs):
             if p.poll() is None:
                 p.terminate()
-        for p in reversed(procs):
             try:
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
         shutil.rmtree(workdir, ignore_errors=True)
-        print("stack stopped")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from router.__main__ import build_parser
-
-    main(build_parser().parse_args(["stack", *sys.argv[1:]]))
+        print("stack stopped", flush=True)
