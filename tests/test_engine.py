@@ -8,21 +8,7 @@ import pytest
 import torch
 
 from engine_service import LLM, EngineConfig, LLMEngine, SamplingParams
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy decoding, one prompt at a time, with its own KV cache."""
-    ids = torch.tensor([prompt_ids])
-    out = []
-    past = None
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            res = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            nxt = int(res.logits[0, -1].argmax())
-            out.append(nxt)
-            ids = torch.tensor([[nxt]])
-    return out
+from tests.hf_reference import hf_greedy
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine_service import LLM, SamplingParams
+from tests.hf_reference import hf_greedy_with_logits
 
 MAX_NEW = 32
 TIE = 1e-4
@@ -62,21 +63,6 @@ def build_prompts(tokenizer) -> list[list[int]]:
     prompts.append(tokenizer.encode(tokenizer.apply_chat_template(chat_long, tokenize=False, add_generation_prompt=True),
                                     add_special_tokens=False))
     return prompts
-
-
-def hf_greedy_with_logits(model, prompt_ids: list[int], max_new: int) -> tuple[list[int], list[torch.Tensor]]:
-    ids = torch.tensor([prompt_ids])
-    past, out, logits = None, [], []
-    with torch.no_grad():
-        for _ in range(max_new):
-            res = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            step_logits = res.logits[0, -1].float()
-            nxt = int(step_logits.argmax())
-            out.append(nxt)
-            logits.append(step_logits)
-            ids = torch.tensor([[nxt]])
-    return out, logits
 
 
 @pytest.mark.slow
