@@ -5,7 +5,8 @@
 Adds the first --requests prompts of W (each with room for 400 new tokens), steps until every one
 of them has its first token, then times --steps decode-only steps (batch = --requests rows). Prints
 the step's median and mean time, decode attention's and the KV write's share, and for every GEMM
-shape (N x K of the weight) its milliseconds per step and GFLOP/s. With --again each GEMM runs a
+shape (N x K of the weight; Pagoda's own bf16 GEMMs and their fused forms included, keyed by the
+weight they multiply) its milliseconds per step and GFLOP/s. With --again each GEMM runs a
 second time straight after the first, on the same input and weight (its result discarded, its time
 listed apart; the step times then include the repeats): the gap between the two is what the state
 left by the preceding op costs the GEMM (bench/RESULTS.md, tenth session). bench/parts.py gives
@@ -66,6 +67,26 @@ def main() -> int:
         return y
 
     llama.linear = timed_linear
+    # Pagoda's own bf16 GEMMs (CPUs with AVX512-BF16 or AMX), plain and fused, keyed by their weight's
+    # N x K as the oneDNN ones are: the packed weight is [N / 64, K / 2, 64, 2].
+    ops = engine.runner.layer_ops
+    for name in ("gemm_linear", "gemm_linear_silu_mul", "gemm_linear_rotary_qkv_to_cache"):
+        if not hasattr(ops, name):
+            continue
+
+        def timed_gemm(x, packed, *a, _fn=getattr(ops, name), **k):
+            key = (packed.shape[0] * packed.shape[2], x.shape[-1])
+            t = time.perf_counter()
+            y = _fn(x, packed, *a, **k)
+            gemm[key] += time.perf_counter() - t
+            rows[key] += x.shape[0]
+            if args.again:
+                t = time.perf_counter()
+                _fn(x, packed, *a, **k)
+                again[key] += time.perf_counter() - t
+            return y
+
+        setattr(ops, name, timed_gemm)
     attn = engine.runner.attn
     for name in ("decode", "write_kv"):
         fn = getattr(attn, name)
@@ -111,7 +132,7 @@ def main() -> int:
     for (out_f, in_f), s in sorted(gemm.items(), key=lambda x: -x[1]):
         rate = 2 * out_f * in_f * rows[(out_f, in_f)] / s / 1e9
         repeat = f" {ms(again[(out_f, in_f)]):.2f} |" if args.again else ""
-        print(f"| linear {out_f} x {in_f} | {ms(s):.2f} | {rate:.0f} |{repeat}")
+        print(f"| GEMM {out_f} x {in_f} | {ms(s):.2f} | {rate:.0f} |{repeat}")
     return 0
 
 
