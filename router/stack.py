@@ -165,3 +165,9 @@ def main(args: argparse.Namespace) -> None:
                 p.wait()
         shutil.rmtree(workdir, ignore_errors=True)
         print("stack stopped", flush=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from router.__main__ import build_parser
+
+    main(build_parser().parse_args(["stack", *sys.argv[1:]]))
