@@ -90,6 +90,8 @@ def run_pagoda(args, requests) -> dict:
         opts["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.num_speculative_tokens:
         opts["num_speculative_tokens"] = args.num_speculative_tokens
+    if getattr(args, "block_size", None):
+        opts["block_size"] = args.block_size
     llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, matmul_dtype=args.matmul_dtype, **opts)
     engine = llm.llm_engine
     if getattr(args, "python_layers", False):
@@ -203,6 +205,7 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model-dir", default=None, help="vllm: the bundled model as a HF directory")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=None, help="pagoda: KV block size (default: the engine's)")
     ap.add_argument("--matmul-dtype", default="auto", help="pagoda: EngineConfig.matmul_dtype")
     ap.add_argument("--num-speculative-tokens", type=int, default=0,
                     help="pagoda, vllm: speculative decoding by prompt lookup (n-grams of 1-3 tokens), this many "
