@@ -52,41 +52,30 @@ def main() -> int:
     again: dict[tuple[int, int], float] = collections.defaultdict(float)
     rows: dict[tuple[int, int], int] = collections.defaultdict(int)
 
-    linear = llama.linear
-
-    def timed_linear(x, weight, bias=None, packed=False):
+    def timed_gemm(call, x, key_of):
+        """``call()`` on input ``x``, timed under ``key_of(output)`` (the weight's N x K); with --again
+        run a second time."""
         t = time.perf_counter()
-        y = linear(x, weight, bias, packed)
-        key = (y.shape[-1], x.shape[-1])
+        y = call()
+        key = key_of(y)
         gemm[key] += time.perf_counter() - t
         rows[key] += x.shape[0]
         if args.again:
             t = time.perf_counter()
-            linear(x, weight, bias, packed)
+            call()
             again[key] += time.perf_counter() - t
         return y
 
-    llama.linear = timed_linear
+    linear = llama.linear
+    llama.linear = lambda x, weight, bias=None, packed=False: timed_gemm(
+        lambda: linear(x, weight, bias, packed), x, lambda y: (y.shape[-1], x.shape[-1]))
     # Pagoda's own bf16 GEMMs (CPUs with AVX512-BF16 or AMX), plain and fused, keyed by their weight's
     # N x K as the oneDNN ones are: the packed weight is [N / 64, K / 2, 64, 2].
     ops = engine.runner.layer_ops
     for name in ("gemm_linear", "gemm_linear_silu_mul", "gemm_linear_rotary_qkv_to_cache"):
-        if not hasattr(ops, name):
-            continue
-
-        def timed_gemm(x, packed, *a, _fn=getattr(ops, name), **k):
-            key = (packed.shape[0] * packed.shape[2], x.shape[-1])
-            t = time.perf_counter()
-            y = _fn(x, packed, *a, **k)
-            gemm[key] += time.perf_counter() - t
-            rows[key] += x.shape[0]
-            if args.again:
-                t = time.perf_counter()
-                _fn(x, packed, *a, **k)
-                again[key] += time.perf_counter() - t
-            return y
-
-        setattr(ops, name, timed_gemm)
+        if hasattr(ops, name):
+            setattr(ops, name, lambda x, packed, *a, _fn=getattr(ops, name), **k: timed_gemm(
+                lambda: _fn(x, packed, *a, **k), x, lambda y: (packed.shape[0] * packed.shape[2], x.shape[-1])))
     attn = engine.runner.attn
     for name in ("decode", "write_kv"):
         fn = getattr(attn, name)

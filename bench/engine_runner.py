@@ -90,7 +90,7 @@ def run_pagoda(args, requests) -> dict:
         opts["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.num_speculative_tokens:
         opts["num_speculative_tokens"] = args.num_speculative_tokens
-    if getattr(args, "block_size", None):
+    if args.block_size:
         opts["block_size"] = args.block_size
     llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, matmul_dtype=args.matmul_dtype, **opts)
     engine = llm.llm_engine
