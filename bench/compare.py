@@ -243,6 +243,20 @@ def target_lines(pagoda: dict, results: list[dict], dtype: str) -> list[str]:
     return lines
 
 
+def closing_lines(pagoda: dict | None, results: list[dict], dtype: str, digests: tuple[str, str],
+                  speculative: bool) -> list[str]:
+    """What the command ends with: the targets judged, unless Pagoda's sources changed between the
+    digests taken at the start and at the end (its runs may then have loaded different code) or the
+    runs were speculative (not the issue's comparison)."""
+    if digests[0] != digests[1]:
+        return [f"!! Pagoda's sources changed while this command ran (sources {digests[0]} at the start, "
+                f"{digests[1]} at the end): its runs may have loaded different code, so no target is judged; "
+                "run it again on a tree left alone"]
+    if pagoda is None or speculative:
+        return []
+    return target_lines(pagoda, results, dtype)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -87,3 +87,15 @@ def test_target_lines_judge_each_target_on_the_rows(compare):
     assert len(compare.target_lines(pagoda, [pagoda, vllm_close, hf], "float32")) == 2
     # A vLLM row on another workload is not the like-for-like comparison.
     assert compare.target_lines(pagoda, [pagoda, _row("vllm 0.32.0", "W-small", 100.0)], "bfloat16") == []
+
+
+def test_closing_lines_judge_no_target_when_the_sources_changed(compare):
+    pagoda = _row("pagoda (matmul bfloat16)", "W", 900.0, ttft_p50=6.0)
+    rows = [pagoda, _row("vllm 0.32.0", "W", 600.0, ttft_p50=8.0)]
+    judged = compare.closing_lines(pagoda, rows, "bfloat16", ("abc", "abc"), speculative=False)
+    assert judged == compare.target_lines(pagoda, rows, "bfloat16") and len(judged) == 2
+    changed = compare.closing_lines(pagoda, rows, "bfloat16", ("abc", "def"), speculative=False)
+    assert len(changed) == 1 and changed[0].startswith("!! Pagoda's sources changed")
+    assert "abc" in changed[0] and "def" in changed[0] and "no target is judged" in changed[0]
+    assert compare.closing_lines(pagoda, rows, "bfloat16", ("abc", "abc"), speculative=True) == []
+    assert compare.closing_lines(None, rows[1:], "bfloat16", ("abc", "abc"), speculative=False) == []
