@@ -92,6 +92,8 @@ def run_pagoda(args, requests) -> dict:
         opts["num_speculative_tokens"] = args.num_speculative_tokens
     if args.block_size:
         opts["block_size"] = args.block_size
+    if getattr(args, "cpu_f32_gemm", None) is not None:
+        opts["cpu_f32_gemm"] = args.cpu_f32_gemm
     llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, matmul_dtype=args.matmul_dtype, **opts)
     engine = llm.llm_engine
     if getattr(args, "python_layers", False):
@@ -100,6 +102,8 @@ def run_pagoda(args, requests) -> dict:
     warm_up_pagoda(engine, requests)
     res = drive(engine, pagoda_adder(engine, args.detokenize), requests)
     res["engine"] = f"pagoda (matmul {str(llm.llm_engine.runner.matmul_dtype).removeprefix('torch.')})"
+    if engine.runner.bf16_gemm or engine.runner.f32_gemm:
+        res["engine"] = res["engine"][:-1] + ", Pagoda's GEMMs)"
     if args.num_speculative_tokens:
         res["engine"] += f" + ngram spec {args.num_speculative_tokens}"
         res["draft_tokens"] = engine.scheduler.num_draft_tokens
@@ -207,6 +211,8 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=None, help="pagoda: KV block size (default: the engine's)")
     ap.add_argument("--matmul-dtype", default="auto", help="pagoda: EngineConfig.matmul_dtype")
+    ap.add_argument("--cpu-f32-gemm", action=argparse.BooleanOptionalAction, default=None,
+                    help="pagoda: EngineConfig.cpu_f32_gemm (default: the engine's choice for this CPU)")
     ap.add_argument("--num-speculative-tokens", type=int, default=0,
                     help="pagoda, vllm: speculative decoding by prompt lookup (n-grams of 1-3 tokens), this many "
                          "draft tokens a step (0: off)")

@@ -1,13 +1,14 @@
-"""float32 GEMMs: the engine's oneDNN-packed weights against torch's F.linear on the plain weight
-(MKL's sgemm in torch's CPU wheels), at the bundled model's weight shapes and W's row counts.
+"""float32 GEMMs: the engine's oneDNN-packed weights, Pagoda's own float32 GEMM (AVX2; where the
+CPU has AVX2 and FMA) and torch's F.linear on the plain weight (MKL's sgemm in torch's CPU wheels),
+at the bundled model's weight shapes and W's row counts.
 
-    python bench/fp32_linear_ab.py [--rows 8 64 256 1024 2048] [--shapes qkv o gate_up down lm]
+    python bench/fp32_linear_ab.py [--rows 8 64 256 1024 2048] [--shapes qkv o gate_up down lm] [--threads N]
 
-Both run on the same inputs, alternating, best of five rounds of enough calls for ~2 GFLOP each.
-Prints each form's GFLOP/s and the ratio (> 1: the packed weight faster). The engine packs every
-float32 weight (``pack_cpu_weight``); bench/RESULTS.md (twenty-fourth session) reads this on an
-AVX2-only host, where the plain weight was 3-15% faster at 2048 rows, yet running those steps on it
-gained no clear time over W.
+All run on the same inputs, alternating, best of five rounds of enough calls for ~2 GFLOP each.
+Prints each form's GFLOP/s and the ratios to oneDNN's (> 1: faster than oneDNN). The engine packs
+every float32 weight for oneDNN (``pack_cpu_weight``) and, on CPUs with AVX2 and no AVX-512, the
+decoder layers' weights for Pagoda's GEMM instead (``EngineConfig.cpu_f32_gemm``); bench/RESULTS.md
+reads this on an AVX2-only host (the twenty-fourth and twenty-seventh sessions).
 """
 from __future__ import annotations
 
@@ -39,11 +40,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256, 1024, 2048])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from pagoda_kernels.layer_ops import CpuLayerOps
+
+    ops = CpuLayerOps()
+    ours = ops.f32_gemm
     torch.manual_seed(0)
-    print(f"torch threads {torch.get_num_threads()}")
-    print("| rows | weight | F.linear GFLOP/s | packed GFLOP/s | packed / F.linear |")
-    print("|---|---|---|---|---|")
+    print(f"torch threads {torch.get_num_threads()}; Pagoda's float32 GEMM {'on' if ours else 'not built (no AVX2 + FMA)'}")
+    print("| rows | weight | oneDNN GFLOP/s | Pagoda GFLOP/s | F.linear GFLOP/s | Pagoda / oneDNN | F.linear / oneDNN |")
+    print("|---|---|---|---|---|---|---|")
     for rows in args.rows:
         for name in args.shapes:
             n, k = SHAPES[name]
@@ -51,14 +59,20 @@ def main() -> None:
             packed = pack_cpu_weight(w, 256)
             if packed is None:
                 raise SystemExit("this torch build has no oneDNN")
+            gemm = ops.gemm_pack(w) if ours else None
             reps = max(3, int(2e9 / (2 * rows * n * k)))
-            plain_s, packed_s = [], []
+            times: dict[str, list[float]] = {"onednn": [], "pagoda": [], "plain": []}
             for _ in range(5):
-                plain_s.append(seconds(lambda: F.linear(x, w), reps))
-                packed_s.append(seconds(lambda: linear(x, packed, packed=True), reps))
+                times["onednn"].append(seconds(lambda: linear(x, packed, packed=True), reps))
+                if ours:
+                    times["pagoda"].append(seconds(lambda: ops.gemm_linear(x, gemm), reps))
+                times["plain"].append(seconds(lambda: F.linear(x, w), reps))
             flop = 2 * rows * n * k * reps
-            a, b = min(plain_s), min(packed_s)
-            print(f"| {rows} | {name} | {flop / a / 1e9:.1f} | {flop / b / 1e9:.1f} | {a / b:.2f} |")
+            best = {key: min(v) for key, v in times.items() if v}
+            rate = {key: f"{flop / s / 1e9:.1f}" for key, s in best.items()}
+            ratio = {key: f"{best['onednn'] / s:.2f}" for key, s in best.items()}
+            print(f"| {rows} | {name} | {rate['onednn']} | {rate.get('pagoda', '—')} | {rate['plain']} | "
+                  f"{ratio.get('pagoda', '—')} | {ratio['plain']} |", flush=True)
 
 
 if __name__ == "__main__":

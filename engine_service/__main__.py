@@ -70,6 +70,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--cpu-bf16-gemm", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU with AVX512-BF16 or AMX, bf16: the decoder layers' GEMMs on Pagoda's own kernels "
                         "with silu*up and rotary + KV write fused (with AMX, over 1024 rows on oneDNN)")
+    e.add_argument("--cpu-f32-gemm", action=argparse.BooleanOptionalAction, default=None,
+                   help="float32: the decoder layers' GEMMs on Pagoda's own AVX2 kernel with silu*up and "
+                        "rotary + KV write fused (default: on CPUs without AVX-512)")
     e.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     e.add_argument("--swap-space-bytes", type=parse_bytes, default=1 << 30)
     e.add_argument("--seed", type=int, default=0)
@@ -128,7 +131,7 @@ def apply_env_defaults(parser: argparse.ArgumentParser, prefix: str = "PAGODA_")
 ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
                   "enable_chunked_prefill", "preemption_mode", "swap_space_bytes", "seed", "device",
-                  "attention_backend", "kv_cache_prefault", "cpu_bf16_gemm", "num_speculative_tokens",
+                  "attention_backend", "kv_cache_prefault", "cpu_bf16_gemm", "cpu_f32_gemm", "num_speculative_tokens",
                   "prompt_lookup_max", "prompt_lookup_min")
 
 

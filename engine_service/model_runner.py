@@ -52,18 +52,23 @@ class ModelRunner:
         self.model.rope_cos, self.model.rope_sin = self.model.rope_cos.float(), self.model.rope_sin.float()
         self.model.eval().requires_grad_(False)
         self.layer_ops = get_layer_ops(self.device, config.attention_backend)
-        # CPU GEMMs on weights blocked once for oneDNN (see pack_cpu_weight), and with AVX512-BF16 or
-        # AMX the bf16 layers' GEMMs on Pagoda's own kernels (EngineConfig.cpu_bf16_gemm).
-        self.bf16_gemm = (self.device.type == "cpu" and config.cpu_bf16_gemm and self.layer_ops.bf16_gemm
+        # CPU GEMMs on weights blocked once for oneDNN (see pack_cpu_weight), and the layers' GEMMs on
+        # Pagoda's own kernels: bf16 with AVX512-BF16 or AMX (EngineConfig.cpu_bf16_gemm), float32 with
+        # AVX2 where there is no AVX-512 (EngineConfig.cpu_f32_gemm).
+        cpu = self.device.type == "cpu"
+        self.bf16_gemm = (cpu and config.cpu_bf16_gemm and self.layer_ops.bf16_gemm
                           and self.dtype == torch.bfloat16 and self.matmul_dtype == torch.bfloat16)
-        self.packed_weights = self.device.type == "cpu" and self.model.pack_weights(
-            config.max_num_seqs, gemm_ops=self.layer_ops if self.bf16_gemm else None)
+        f32_wanted = self.layer_ops.f32_gemm_preferred if config.cpu_f32_gemm is None else config.cpu_f32_gemm
+        self.f32_gemm = (cpu and f32_wanted and self.layer_ops.f32_gemm and self.dtype == torch.float32
+                         and self.matmul_dtype == torch.float32)
+        self.packed_weights = cpu and self.model.pack_weights(
+            config.max_num_seqs, gemm_ops=self.layer_ops if self.bf16_gemm or self.f32_gemm else None)
         # The decoder layers in one C++ call a step where the layers allow (LlamaForCausalLM.build_layer_stack).
         if self.device.type == "cpu" and self.packed_weights:
             self.model.build_layer_stack(self.layer_ops)
         logger.info("model loaded in %.2f s%s%s", time.perf_counter() - t0,
                     " (GEMM weights packed for oneDNN)" if self.packed_weights else "",
-                    " (decoder layers for Pagoda's bf16 GEMMs)" if self.bf16_gemm else "")
+                    " (decoder layers for Pagoda's GEMMs)" if self.bf16_gemm or self.f32_gemm else "")
         self.vocab_size = model_config.vocab_size
         self.attn = get_attention_backend(config.attention_backend, self.device)
         head_dim = self.model.layers[0].self_attn.head_dim

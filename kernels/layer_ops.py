@@ -20,13 +20,16 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 AMX_GEMM_MAX_ROWS = 1024  # CpuLayerOps.gemm_max_rows on a CPU with AMX
+GEMM_BLOCK_N = 64  # output columns of a block of gemm_pack's layouts
 
 
 class TorchLayerOps:
     """Plain torch ops, in transformers' order (the reference)."""
 
     name = "torch"
-    bf16_gemm = False  # CpuLayerOps on a CPU with AVX512-BF16 or AMX-BF16: the gemm_* GEMMs below
+    bf16_gemm = False  # CpuLayerOps on a CPU with AVX512-BF16 or AMX-BF16: the gemm_* GEMMs below in bf16
+    f32_gemm = False  # CpuLayerOps on a CPU with AVX2 and FMA: the gemm_* GEMMs in float32
+    f32_gemm_preferred = False  # and faster there than oneDNN's (CPUs without AVX-512)
     gemm_max_rows: int | None = 0  # the most rows the model hands gemm_linear (None: any number)
     runs_decoder_layers = False  # CpuLayerOps: decoder_layers, a stack of Llama layers in one C++ call
 
@@ -87,6 +90,11 @@ class CpuLayerOps(TorchLayerOps):
         self._argmax = torch.ops.pagoda_cpu.argmax.default
         self._argmax_vectorized = bool(torch.ops.pagoda_cpu.has_avx512())
         self.bf16_gemm = bool(torch.ops.pagoda_cpu.gemm_supported())
+        # Our float32 GEMM is AVX2 code: as fast as oneDNN's or faster where that has AVX2 too (2-core
+        # Zen 3: 1.0-1.2x a GEMM, W in float32 +3%; bench/RESULTS.md), and not measured against its
+        # AVX-512 kernels, so the engine takes it only on CPUs without AVX-512.
+        self.f32_gemm = bool(torch.ops.pagoda_cpu.gemm_f32_supported())
+        self.f32_gemm_preferred = self.f32_gemm and not torch.ops.pagoda_cpu.has_avx512()
         # With AMX, oneDNN's packed GEMM is faster above ~1024 rows (2-core Xeon, SmolLM2 shapes: the
         # AMX kernel 1.1-2.5x faster up to ~1024 rows, 0.7-0.9x at 2048); the AVX512-BF16 kernel is as
         # fast or faster at every row count (2-core Zen 4: 1.0-2.0x; bench/RESULTS.md). The fused
@@ -146,22 +154,25 @@ class CpuLayerOps(TorchLayerOps):
         self._argmax(logits, out)
         return out
 
-    # ---- bf16 GEMMs of our own (bf16_gemm only; AMX tiles or AVX512-BF16, csrc/cpu_ops.cpp) -------
+    # ---- GEMMs of our own (csrc/cpu_ops.cpp): bf16 (bf16_gemm: AMX tiles or AVX512-BF16) and
+    # float32 (f32_gemm: AVX2 FMAs) ------------------------------------------------------------------
 
     def gemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight [N, K] bf16 (N a multiple of 64, K even) in the kernels' layout, for the gemm_* GEMMs."""
+        """weight [N, K] bf16 (N a multiple of 64, K even) or float32 (N a multiple of 64) in the
+        kernels' layout, for the gemm_* GEMMs on activations of its dtype."""
         return torch.ops.pagoda_cpu.gemm_pack_weight(weight.contiguous())
 
     def gemm_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ weight.T, rounded to bf16; a row's result does not depend on M."""
-        out = torch.empty((x.shape[0], packed.shape[0] * packed.shape[2]), dtype=x.dtype)
+        """x [M, K] @ weight.T, fp32 sums (rounded once to bf16 for bf16 x); a row's result does not
+        depend on M."""
+        out = torch.empty((x.shape[0], packed.shape[0] * GEMM_BLOCK_N), dtype=x.dtype)
         self._gemm_linear(x, packed, out)
         return out
 
     def gemm_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """silu_and_mul(x @ gate_up.T) in one pass; ``packed``: the gate/up weight with its 64-row
         blocks interleaved (``interleave_gate_up``) before ``gemm_pack``."""
-        out = torch.empty((x.shape[0], packed.shape[0] // 2 * packed.shape[2]), dtype=x.dtype)
+        out = torch.empty((x.shape[0], packed.shape[0] // 2 * GEMM_BLOCK_N), dtype=x.dtype)
         self._gemm_linear_silu_mul(x, packed, out)
         return out
 

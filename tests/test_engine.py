@@ -306,19 +306,24 @@ def test_last_layer_on_sampled_rows_only_gives_the_same_logits(tiny_llama_dir, b
     assert llm.llm_engine.scheduler.num_accepted_tokens > 0, "no speculative chunk was verified"
 
 
-@pytest.mark.parametrize("model,dtype", [("tiny", "float32"), ("tiny", "bfloat16"), ("bundled", "bfloat16")])
+@pytest.mark.parametrize("model,dtype", [("tiny", "float32"), ("tiny", "bfloat16"), ("bundled", "bfloat16"),
+                                         ("bundled", "float32")])
 def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir, bundled_dir, prompts, model,
                                                                   dtype):
     """On CPU the decoder layers run in one C++ call a step (``LlamaForCausalLM.layer_stack``,
     ``CpuLayerOps.decoder_layers``): every step's logits are bitwise those of the Python layers,
     in steps mixing chunked prefill, decodes, speculative chunks, GEMM padding rows and the pruned
-    last layer. float32 runs every projection on oneDNN, bfloat16 on our GEMMs (tiny: head_dim 16,
-    QKV then rotary; bundled: the fused QKV + rotary), or where the CPU has no bf16 dot products
-    on oneDNN's float32 weights (activations widened, outputs rounded back); where our GEMMs have
-    a row limit (AMX), the bundled model runs again with the limit lowered to 16 rows, so most
-    steps take oneDNN's."""
+    last layer. Tiny float32 takes the host's default (oneDNN, or our float32 GEMMs where the CPU
+    has no AVX-512), bundled float32 our float32 GEMMs (forced: the fused QKV + rotary), bfloat16
+    our bf16 GEMMs (tiny: head_dim 16, QKV then rotary; bundled: the fused QKV + rotary), or where
+    the CPU has no bf16 dot products oneDNN's float32 weights (activations widened, outputs rounded
+    back); where our GEMMs have a row limit (AMX), the bundled model runs again with the limit
+    lowered to 16 rows, so most steps take oneDNN's."""
+    forced = {"cpu_f32_gemm": True} if (model, dtype) == ("bundled", "float32") else {}
     llm = LLM(tiny_llama_dir if model == "tiny" else bundled_dir, dtype=dtype, max_num_batched_tokens=40,
-              num_speculative_tokens=3, max_model_len=512, seed=0, enable_prefix_caching=False)
+              num_speculative_tokens=3, max_model_len=512, seed=0, enable_prefix_caching=False, **forced)
+    if forced:
+        assert llm.llm_engine.runner.f32_gemm, "the float32 GEMMs did not run"
     runner = llm.llm_engine.runner
     stack, ops = runner.model.layer_stack, runner.layer_ops
     assert stack is not None, "the decoder layers do not run in one call on this CPU"

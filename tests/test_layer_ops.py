@@ -185,12 +185,13 @@ def test_argmax_matches_torch_max_indices(ops, dtype, rows, vocab):
     assert torch.equal(ref.argmax(logits), want)
 
 
-# ---- Pagoda's bf16 GEMMs (CPUs with AVX512-BF16 or AMX-BF16) --------------------------------------
+# ---- Pagoda's GEMMs: bf16 (CPUs with AVX512-BF16 or AMX-BF16), float32 (CPUs with AVX2 and FMA) --
 
-def test_bf16_gemms_run_where_the_cpu_has_bf16_dot_products(ops):
-    """Pagoda's GEMMs are on wherever the CPU has AVX512-BF16 (AMX CPUs have it too), so their tests
-    below run there rather than skip; with AMX tiles plain GEMMs over AMX_GEMM_MAX_ROWS rows go to
-    oneDNN, with the dot-product kernel none do."""
+def test_gemms_run_where_the_cpu_has_their_instructions(ops):
+    """Pagoda's bf16 GEMMs are on wherever the CPU has AVX512-BF16 (AMX CPUs have it too), its float32
+    GEMMs wherever it has AVX2 and FMA, so their tests below run there rather than skip; with AMX
+    tiles plain bf16 GEMMs over AMX_GEMM_MAX_ROWS rows go to oneDNN, with the dot-product kernel
+    none do. The engine prefers the float32 GEMM to oneDNN's only where there is no AVX-512."""
     from pagoda_kernels.layer_ops import AMX_GEMM_MAX_ROWS
 
     cpu, _ = ops
@@ -199,78 +200,104 @@ def test_bf16_gemms_run_where_the_cpu_has_bf16_dot_products(ops):
     if cpu.bf16_gemm:
         amx = " amx_bf16" in flags and " amx_tile" in flags
         assert cpu.gemm_max_rows == (AMX_GEMM_MAX_ROWS if amx else None)
+    assert cpu.f32_gemm == (" avx2" in flags and " fma" in flags)
+    assert cpu.f32_gemm_preferred == (cpu.f32_gemm and " avx512f" not in flags)
 
 
-def _gemm_ops(ops):
+GEMM_DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _gemm_ops(ops, dtype=torch.bfloat16):
     cpu, _ = ops
-    if not cpu.bf16_gemm:
+    if dtype == torch.bfloat16 and not cpu.bf16_gemm:
         pytest.skip("this CPU has neither AVX512-BF16 nor AMX-BF16 (the engine uses oneDNN's GEMMs here)")
+    if dtype == torch.float32 and not cpu.f32_gemm:
+        pytest.skip("this CPU has no AVX2 and FMA (the engine uses oneDNN's GEMMs here)")
     return cpu
 
 
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (128, 64)])
-def test_gemm_linear_is_close_to_float64_and_row_count_invariant(ops, n, k):
-    """Each row rounded once from an fp32 accumulation, and the same bits whether the call has 1,
-    40 or 600 rows (more than one 256-row slice)."""
-    cpu = _gemm_ops(ops)
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (128, 64), (64, 7)])
+def test_gemm_linear_is_close_to_float64_and_row_count_invariant(ops, n, k, dtype):
+    """Each row an fp32 accumulation (rounded once in bf16), and the same bits whether the call has
+    1, 40 or 600 rows (more than one 256-row slice)."""
+    cpu = _gemm_ops(ops, dtype)
+    if dtype == torch.bfloat16 and k % 2:
+        pytest.skip("bf16 GEMMs read k in pairs")
     g = torch.Generator().manual_seed(n + k)
-    w = (0.05 * torch.randn(n, k, generator=g)).to(torch.bfloat16)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
     packed = cpu.gemm_pack(w)
-    x = torch.randn(600, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(600, k, generator=g).to(dtype)
     full = cpu.gemm_linear(x, packed)
-    assert full.shape == (600, n) and full.dtype == torch.bfloat16
+    assert full.shape == (600, n) and full.dtype == dtype
     want = x.double() @ w.double().T
-    assert ((full.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-2).all()
+    if dtype == torch.bfloat16:
+        assert ((full.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-2).all()
+    else:  # fp32 sums: k roundings of at most 2^-24 of a partial sum each
+        assert ((full.double() - want).abs() <= k * 2 ** -24 * (x.double().abs() @ w.double().abs().T)).all()
     for rows in (*range(1, 13), 40, 257):  # 1-12: every remainder of the kernels' row groups
         assert torch.equal(cpu.gemm_linear(x[-rows:].contiguous(), packed), full[-rows:])
+    if dtype == torch.float32:  # a row of a strided x, as the layers hand over views
+        wide = torch.randn(600, k + 5, generator=g)
+        wide[:, :k] = x
+        assert torch.equal(cpu.gemm_linear(wide[:, :k], packed), full)
 
 
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
 @pytest.mark.parametrize("rows", [1, 40, 300])
-def test_gemm_linear_silu_mul_is_the_gemm_then_silu_and_mul(ops, rows):
+def test_gemm_linear_silu_mul_is_the_gemm_then_silu_and_mul(ops, rows, dtype):
     from pagoda_kernels.layer_ops import interleave_gate_up
 
-    cpu = _gemm_ops(ops)
+    cpu = _gemm_ops(ops, dtype)
     g = torch.Generator().manual_seed(rows)
     inter, k = 256, 576
-    w = (0.05 * torch.randn(2 * inter, k, generator=g)).to(torch.bfloat16)
-    x = (3 * torch.randn(rows, k, generator=g)).to(torch.bfloat16)
+    w = (0.05 * torch.randn(2 * inter, k, generator=g)).to(dtype)
+    x = (3 * torch.randn(rows, k, generator=g)).to(dtype)
     got = cpu.gemm_linear_silu_mul(x, cpu.gemm_pack(interleave_gate_up(w)))
     want = cpu.silu_and_mul(cpu.gemm_linear(x, cpu.gemm_pack(w)))
-    assert got.shape == (rows, inter) and torch.equal(got, want)
+    assert got.shape == (rows, inter) and got.dtype == dtype and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
 @pytest.mark.parametrize("rows,cached", [(8, 8), (300, 293)])
-def test_gemm_linear_rotary_qkv_to_cache_is_the_gemm_then_rotary_qkv_to_cache(ops, rows, cached):
+def test_gemm_linear_rotary_qkv_to_cache_is_the_gemm_then_rotary_qkv_to_cache(ops, rows, cached, dtype):
     """Bitwise the unfused pair: rotary(q) for every row, rotary(k) and v in their slots for the
     first `cached` rows (the rest are GEMM padding), every other slot untouched."""
-    cpu = _gemm_ops(ops)
+    cpu = _gemm_ops(ops, dtype)
     g = torch.Generator().manual_seed(rows)
     heads, kvh, dim, k, max_pos, blocks, bs = 9, 3, 64, 576, 512, 40, 16
     cos_t, sin_t = _rope_tables(dim, max_pos)
-    w = (0.05 * torch.randn((heads + 2 * kvh) * dim, k, generator=g)).to(torch.bfloat16)
-    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = (0.05 * torch.randn((heads + 2 * kvh) * dim, k, generator=g)).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
     positions = torch.randint(0, max_pos, (rows,), generator=g)
     slots = torch.randperm(blocks * bs, generator=g)[:cached]
-    rope = cpu.rope_inputs(positions, cos_t, sin_t, torch.bfloat16)
-    caches = [torch.randn(blocks, bs, kvh, dim, generator=g).to(torch.bfloat16) for _ in range(2)]
+    rope = cpu.rope_inputs(positions, cos_t, sin_t, dtype)
+    caches = [torch.randn(blocks, bs, kvh, dim, generator=g).to(dtype) for _ in range(2)]
     kc, vc, kc_ref, vc_ref = caches[0].clone(), caches[1].clone(), caches[0].clone(), caches[1].clone()
     q = cpu.gemm_linear_rotary_qkv_to_cache(x, cpu.gemm_pack(w), rope, heads, kc, vc, slots)
     q_ref = cpu.rotary_qkv_to_cache(cpu.gemm_linear(x, cpu.gemm_pack(w)), rope, heads, kc_ref, vc_ref, slots)
-    assert q.shape == (rows, heads, dim) and torch.equal(q, q_ref)
+    assert q.shape == (rows, heads, dim) and q.dtype == dtype and torch.equal(q, q_ref)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref) and not torch.equal(kc, caches[0])
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu.gemm_linear_rotary_qkv_to_cache(x, cpu.gemm_pack(w), rope, heads, kc, vc,
                                            torch.full((cached,), blocks * bs))
 
 
-def test_gemms_reject_bad_shapes(ops):
-    cpu = _gemm_ops(ops)
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
+def test_gemms_reject_bad_shapes(ops, dtype):
+    cpu = _gemm_ops(ops, dtype)
     with pytest.raises(RuntimeError, match="multiple of 64"):
-        cpu.gemm_pack(torch.zeros(100, 64, dtype=torch.bfloat16))
-    packed = cpu.gemm_pack(torch.zeros(64, 32, dtype=torch.bfloat16))
+        cpu.gemm_pack(torch.zeros(100, 64, dtype=dtype))
+    with pytest.raises(RuntimeError, match="bf16 or float32"):
+        cpu.gemm_pack(torch.zeros(64, 32, dtype=torch.float16))
+    packed = cpu.gemm_pack(torch.zeros(64, 32, dtype=dtype))
     with pytest.raises(RuntimeError, match="K = 48"):
-        cpu.gemm_linear(torch.zeros(2, 48, dtype=torch.bfloat16), packed)
-    with pytest.raises(RuntimeError, match="bf16"):
-        cpu.gemm_linear(torch.zeros(2, 32), packed)
-    with pytest.raises(RuntimeError, match="even stride"):  # rows are read as pairs of k
-        cpu.gemm_linear(torch.zeros(2, 33, dtype=torch.bfloat16)[:, :32], packed)
+        cpu.gemm_linear(torch.zeros(2, 48, dtype=dtype), packed)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(RuntimeError, match="packed must come from gemm_pack_weight|has no"):
+        cpu.gemm_linear(torch.zeros(2, 32, dtype=other), packed)  # x of another dtype than the weight
+    with pytest.raises(RuntimeError, match="out must have x's dtype"):
+        torch.ops.pagoda_cpu.gemm_linear(torch.zeros(2, 32, dtype=dtype), packed, torch.zeros(2, 64, dtype=other))
+    if dtype == torch.bfloat16:
+        with pytest.raises(RuntimeError, match="even stride"):  # rows are read as pairs of k
+            cpu.gemm_linear(torch.zeros(2, 33, dtype=torch.bfloat16)[:, :32], packed)

@@ -94,23 +94,26 @@ def test_packed_linear_computes_what_the_plain_one_does(dtype, matmul_dtype):
         torch.testing.assert_close(layer(xm).double(), ref.double(), rtol=2e-2, atol=2e-2)
 
 
-def test_engine_packs_every_gemm_weight_on_cpu(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engine_packs_every_gemm_weight_on_cpu(tiny_llama_dir, dtype):
+    llm = LLM(tiny_llama_dir, dtype=dtype, max_model_len=256, kv_cache_memory_bytes=16 << 20)
     model = llm.llm_engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    # On a CPU with Pagoda's bf16 GEMMs, gate/up (and with no row limit every decoder layer's weight)
-    # lives only in their layout (LlamaMLP / Linear.pack_gemm); every other weight is packed for oneDNN.
+    # Where Pagoda's GEMMs take the model's dtype (bf16: AVX512-BF16 or AMX; float32: AVX2 without
+    # AVX-512), gate/up (and with no row limit every decoder layer's weight) lives only in their
+    # layout (LlamaMLP / Linear.pack_gemm); every other weight is packed for oneDNN.
     ops = llm.llm_engine.runner.layer_ops
     gemm_only = {id(layer.mlp.gate_up_proj) for layer in model.layers if layer.mlp.gate_up_gemm is not None}
     gemm_only |= {id(m) for m in linears if m.gemm_weight is not None and m.gemm_ops.gemm_max_rows is None}
     assert linears and all((m.packed_weight is not None or id(m) in gemm_only) and m.weight.numel() == 0
                            for m in linears)
-    assert bool(gemm_only) == ops.bf16_gemm
+    assert bool(gemm_only) == (ops.bf16_gemm if dtype == "bfloat16" else ops.f32_gemm_preferred)
     if model.tie_word_embeddings:
         assert model.tied_lm_head_packed is not None
-    hidden = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
+    torch_dtype = getattr(torch, dtype)
+    hidden = torch.randn(3, model.config.hidden_size).to(torch_dtype)
     ref = (hidden.double() @ model.embed_tokens.weight.double().T) if model.tie_word_embeddings else None
     logits = model.compute_logits(hidden)
-    assert logits.shape == (3, model.config.vocab_size) and logits.dtype == torch.bfloat16  # widened by the sampler
+    assert logits.shape == (3, model.config.vocab_size) and logits.dtype == torch_dtype  # widened by the sampler
     if ref is not None:
-        torch.testing.assert_close(logits.double(), ref.to(torch.bfloat16).double(), rtol=2e-2, atol=5e-2)
+        torch.testing.assert_close(logits.double(), ref.to(torch_dtype).double(), rtol=2e-2, atol=5e-2)

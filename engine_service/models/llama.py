@@ -61,11 +61,12 @@ class Linear(nn.Linear):
     gemm_ops = None
 
     def gemm_packable(self) -> bool:
-        return (self.bias is None and self.weight.dtype == torch.bfloat16 and self.out_features % 64 == 0
-                and self.in_features % 2 == 0)
+        dtype = self.weight.dtype
+        return (self.bias is None and dtype in (torch.bfloat16, torch.float32) and self.out_features % 64 == 0
+                and (self.in_features % 2 == 0 or dtype == torch.float32))
 
     def pack_gemm(self, ops) -> bool:
-        """Keep the weight in the layout of Pagoda's bf16 GEMMs too: ``forward`` multiplies up to
+        """Keep the weight in the layout of Pagoda's GEMMs too: ``forward`` multiplies up to
         ``ops.gemm_max_rows`` rows with ``ops.gemm_linear``, and only there where that has no limit
         (the plain weight is dropped). False if the layer does not qualify."""
         if not self.gemm_packable():
@@ -93,7 +94,7 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and self.takes_gemm(x.shape[0]):
+        if self.takes_gemm(x.shape[0]) and x.dtype == self.gemm_weight.dtype:
             return self.gemm_ops.gemm_linear(x, self.gemm_weight)
         if self.packed_weight is not None:
             return linear(x, self.packed_weight, self.bias, packed=True)
@@ -224,7 +225,7 @@ class LlamaMLP(nn.Module):
         self.gemm_ops = None
 
     def pack_gemm(self, ops) -> bool:
-        """gate/up on Pagoda's bf16 GEMM with silu * up fused (``ops.gemm_linear_silu_mul``) at every
+        """gate/up on Pagoda's GEMM with silu * up fused (``ops.gemm_linear_silu_mul``) at every
         row count: the weight is kept only in that layout. False if the layer does not qualify."""
         if not self.gate_up_proj.gemm_packable() or self.intermediate_size % 64:
             return False
@@ -402,10 +403,11 @@ class LlamaForCausalLM(nn.Module):
         """Reorder every GEMM weight (the LM head included) into oneDNN's blocked layout once
         (``pack_cpu_weight``); the plain copies are dropped. False where oneDNN is not available.
 
-        ``gemm_ops`` (layer ops with ``bf16_gemm``): the decoder layers' bf16 weights are also packed
-        for Pagoda's own GEMMs (``Linear.pack_gemm``, ``LlamaMLP.pack_gemm``: gate/up only there,
-        every layer only there where ``gemm_max_rows`` is None)."""
-        if gemm_ops is not None and gemm_ops.bf16_gemm:
+        ``gemm_ops`` (layer ops whose GEMMs take the weights' dtype, which must be the activations'):
+        the decoder layers' weights are also packed for Pagoda's own GEMMs (``Linear.pack_gemm``,
+        ``LlamaMLP.pack_gemm``: gate/up only there, every layer only there where ``gemm_max_rows``
+        is None)."""
+        if gemm_ops is not None:
             for layer in self.layers:
                 layer.mlp.pack_gemm(gemm_ops)
                 for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):

@@ -490,53 +490,58 @@ inline __m512 silu_bf16_lookup16(const bf16_t* p, const uint16_t* table) {
 }
 #endif
 
-// out = T(silu(gate)) * up, rounded to T, with gate / up the two halves of each row of gate_up
-// [T, 2I] (row stride free): F.silu(gate) * up in one pass, the same arithmetic as torch's kernels
-// (float(x) / (1 + exp(-float(x))), rounded to T, then a rounded product).
+// o[i] = T(silu(g[i])) * u[i], rounded to T, for i < n: F.silu(gate) * up with the same arithmetic
+// as torch's kernels (float(x) / (1 + exp(-float(x))), rounded to T, then a rounded product).
+template <typename T>
+inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
+  int64_t i = 0;
+#if PAGODA_EW_AVX512
+  // torch's vectorised loop takes 2 x Vectorized<T>::size() elements a step (64 bytes of T per
+  // vector) and leaves the rest to its scalar op: the same split gives every element torch's exp.
+  constexpr int64_t step = 2 * 64 / sizeof(T);
+  [[maybe_unused]] const uint16_t* table = std::is_same_v<T, bf16_t> ? silu_bf16_table() : nullptr;
+  for (; i + step <= n; i += step) {
+    for (int64_t h = 0; h < step; h += 16) {
+      __m512 s;
+      if constexpr (std::is_same_v<T, bf16_t>) {
+        s = silu_bf16_lookup16(g + i + h, table);
+      } else {
+        s = silu_exact16(load16(g + i + h));
+      }
+      store16(o + i + h, _mm512_mul_ps(s, load16(u + i + h)));
+    }
+  }
+#elif PAGODA_EW_AVX2
+  // As above with 32-byte vectors.
+  constexpr int64_t step = 2 * 32 / sizeof(T);
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + step <= n; i += step) {
+    for (int64_t h = 0; h < step; h += 8) {
+      const __m256 x = load8(g + i + h);
+      const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), x));
+      const __m256 sx = round8(_mm256_div_ps(x, _mm256_add_ps(one, e)), static_cast<T*>(nullptr));
+      store8(o + i + h, _mm256_mul_ps(sx, load8(u + i + h)));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float x = load(g[i]);
+    const float s = round_to(x / (1.f + std::exp(-x)), static_cast<T*>(nullptr));
+    store(s * load(u[i]), &o[i]);
+  }
+}
+
+// out = silu(gate) * up (silu_mul_row) with gate / up the two halves of each row of gate_up [T, 2I]
+// (row stride free).
 template <typename T>
 void silu_and_mul_impl(const T* gate_up, int64_t in_stride, T* out, int64_t out_stride, int64_t rows, int64_t inter) {
 #if PAGODA_EW_AVX512
-  [[maybe_unused]] const uint16_t* table = std::is_same_v<T, bf16_t> ? silu_bf16_table() : nullptr;
+  if constexpr (std::is_same_v<T, bf16_t>) silu_bf16_table();  // built once, before the threads start
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads_for(rows * inter))
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gate_up + r * in_stride;
-    const T* u = g + inter;
-    T* o = out + r * out_stride;
-    int64_t i = 0;
-#if PAGODA_EW_AVX512
-    // torch's vectorised loop takes 2 x Vectorized<T>::size() elements a step (64 bytes of T per
-    // vector) and leaves the rest to its scalar op: the same split gives every element torch's exp.
-    constexpr int64_t step = 2 * 64 / sizeof(T);
-    for (; i + step <= inter; i += step) {
-      for (int64_t h = 0; h < step; h += 16) {
-        __m512 s;
-        if constexpr (std::is_same_v<T, bf16_t>) {
-          s = silu_bf16_lookup16(g + i + h, table);
-        } else {
-          s = silu_exact16(load16(g + i + h));
-        }
-        store16(o + i + h, _mm512_mul_ps(s, load16(u + i + h)));
-      }
-    }
-#elif PAGODA_EW_AVX2
-    // As above with 32-byte vectors.
-    constexpr int64_t step = 2 * 32 / sizeof(T);
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (; i + step <= inter; i += step) {
-      for (int64_t h = 0; h < step; h += 8) {
-        const __m256 x = load8(g + i + h);
-        const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), x));
-        const __m256 sx = round8(_mm256_div_ps(x, _mm256_add_ps(one, e)), static_cast<T*>(nullptr));
-        store8(o + i + h, _mm256_mul_ps(sx, load8(u + i + h)));
-      }
-    }
-#endif
-    for (; i < inter; ++i) {
-      const float x = load(g[i]);
-      const float s = round_to(x / (1.f + std::exp(-x)), static_cast<T*>(nullptr));
-      store(s * load(u[i]), &o[i]);
-    }
+    silu_mul_row(g, g + inter, out + r * out_stride, inter);
   }
 }
 
@@ -665,26 +670,42 @@ void argmax(const at::Tensor& x, at::Tensor& out) {
 }
 
 
-// ---- bf16 GEMMs of our own: AMX tiles or AVX512-BF16 dot products ---------------------------------
-// y = x @ W^T for bf16 x [M, K] and a weight packed once (gemm_pack_weight: [N/64][K/2][64][2], 64
-// output columns per block in the VNNI pair layout both instruction sets read). For each 256-row
-// slice of x, each thread takes a run of column blocks (and some rows of the blocks at its run's
-// ends), so a weight block is read about once per slice and a row's value never depends on how many
-// rows the call has (oneDNN's own GEMMs pick another K order at some row counts than at others).
-// A block is multiplied by torch's cpublas::brgemm (oneDNN's AMX micro-kernel) where the CPU has
-// AMX-BF16, else by dp_rows below (vdpbf16ps, fp32 sums). Against oneDNN's packed linear
-// (bench/bf16_gemm.py, bench/RESULTS.md): on a 2-core Xeon with AMX 1.1-2.5x faster from 8 to ~1024
-// rows and slower above (the model calls it below that: CpuLayerOps.gemm_max_rows); on a 2-core
-// Zen 4 1.0-2.0x at every row count, most where the weight or inputs are cold. The fused forms:
+// ---- GEMMs of our own: bf16 on AMX tiles or AVX512-BF16 dot products, float32 on AVX2 FMAs --------
+// y = x @ W^T for x [M, K] and a weight packed once by gemm_pack_weight, 64 output columns per block:
+//   bf16: [N/64][K/2][64][2], the VNNI pair layout both bf16 instruction sets read;
+//   float32: [N/64][4][K][16], each block as four 16-column panels, a panel's k rows in order.
+// For each 256-row slice of x, each thread takes a run of column blocks (and some rows of the blocks
+// at its run's ends), so a weight block is read about once per slice and a row's value never depends
+// on how many rows the call has (oneDNN's own GEMMs pick another K order at some row counts than at
+// others). A bf16 block is multiplied by torch's cpublas::brgemm (oneDNN's AMX micro-kernel) where
+// the CPU has AMX-BF16, else by dp_rows below (vdpbf16ps, fp32 sums); a float32 block by f32_rows
+// (6 rows x 16 columns of FMAs). Against oneDNN's packed linear (bench/bf16_gemm.py,
+// bench/fp32_linear_ab.py, bench/RESULTS.md): bf16 on a 2-core Xeon with AMX 1.1-2.5x faster from 8
+// to ~1024 rows and slower above (the model calls it below that: CpuLayerOps.gemm_max_rows); on a
+// 2-core Zen 4 1.0-2.0x at every row count, most where the weight or inputs are cold; float32 on a
+// 2-core Zen 3 (AVX2) 1.0-1.2x from 64 to 2048 rows and 1.1-1.6x at 8 (and W in float32 3% faster).
+// The fused forms:
 //   gemm_linear_silu_mul: gate/up blocks interleaved, the epilogue writes silu(gate) * up;
 //   gemm_linear_rotary_to_cache: one block per head of the fused QKV output, the epilogue writes
 //     rotary(q), and rotary(k) and v straight into their cache slots.
 // Each fused form gives bitwise what gemm_linear followed by the unfused op gives.
 constexpr int64_t kGemmBlockN = 64;
 constexpr int64_t kGemmBlockM = 256;
+constexpr int64_t kGemmPanelF32 = 16;  // columns of a float32 panel
+
+#if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
+#define PAGODA_GEMM_BF16 1
+#else
+#define PAGODA_GEMM_BF16 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define PAGODA_GEMM_F32 1
+#else
+#define PAGODA_GEMM_F32 0
+#endif
 
 bool gemm_uses_amx() {
-#if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
+#if PAGODA_GEMM_BF16
   static const bool ok = [] {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
@@ -698,18 +719,23 @@ bool gemm_uses_amx() {
 }
 
 // Built for a CPU with AVX512-BF16 (-march=native): dp_rows runs here, AMX or not.
-bool gemm_supported() {
-#if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
+bool gemm_supported() { return PAGODA_GEMM_BF16; }
+
+// Built for a CPU with AVX2 and FMA: the float32 GEMMs run here (the engine uses them where the CPU
+// has no AVX-512: CpuLayerOps).
+bool gemm_f32_supported() { return PAGODA_GEMM_F32; }
 
 at::Tensor gemm_pack_weight(const at::Tensor& weight) {
-  TORCH_CHECK(gemm_supported(), "gemm_pack_weight: this CPU has no AVX512-BF16 or AMX-BF16");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "weight must be bf16 [N, K]");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
+              "weight must be bf16 or float32 [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1);
+  if (weight.scalar_type() == at::kFloat) {
+    TORCH_CHECK(gemm_f32_supported(), "gemm_pack_weight: float32 needs a CPU with AVX2 and FMA");
+    TORCH_CHECK(n % kGemmBlockN == 0 && k > 0, "weight [", n, ", ", k, "]: N must be a multiple of ", kGemmBlockN);
+    const int64_t panels = kGemmBlockN / kGemmPanelF32;  // [N/64][4][K][16]
+    return weight.reshape({n / kGemmBlockN, panels, kGemmPanelF32, k}).transpose(2, 3).contiguous();
+  }
+  TORCH_CHECK(gemm_supported(), "gemm_pack_weight: this CPU has no AVX512-BF16 or AMX-BF16");
   TORCH_CHECK(n % kGemmBlockN == 0 && k % 2 == 0, "weight [", n, ", ", k, "]: N must be a multiple of ",
               kGemmBlockN, " and K even");
   if (!gemm_uses_amx())  // [N/64][K/2][64][2]
@@ -724,7 +750,35 @@ at::Tensor gemm_pack_weight(const at::Tensor& weight) {
   return out;
 }
 
-#if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
+// Splits x's m rows into 256-row slices and, in each, the slice's (group, row) pairs evenly over the
+// threads in group-major order: a thread takes whole groups and part of the rows of one at each end
+// (o_proj's 9 blocks would leave threads 4 against 5). multiply(row0, rows, g, c) fills c[b][r][64]
+// with the fp32 products of those rows with the group's blocks b; epilogue(row0, rows, g, c) takes
+// them; finish() runs on each thread at the end.
+template <typename Multiply, typename Epilogue, typename Finish>
+void run_gemm_blocks(int64_t m, int64_t groups, int64_t group, Multiply&& multiply, Epilogue&& epilogue,
+                     Finish&& finish) {
+  if (m == 0) return;
+  const int nt = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), groups * m));
+#pragma omp parallel num_threads(nt)
+  {
+    static thread_local std::vector<float> buf;
+    buf.resize(group * kGemmBlockM * kGemmBlockN);
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    for (int64_t r0 = 0; r0 < m; r0 += kGemmBlockM) {
+      const int64_t rows = std::min(kGemmBlockM, m - r0), units = groups * rows;
+      for (int64_t u = units * t / n, u1 = units * (t + 1) / n; u < u1;) {
+        const int64_t g = u / rows, lo = u % rows, len = std::min(rows - lo, u1 - u);
+        multiply(r0 + lo, len, g, buf.data());
+        epilogue(r0 + lo, len, g, buf.data());
+        u += len;
+      }
+    }
+    finish();
+  }
+}
+
+#if PAGODA_GEMM_BF16
 // The GEMM output rounded to bf16 as oneDNN rounds it (vcvtneps2bf16).
 inline __m256i gemm_round16(const float* c) { return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c)); }
 inline __m512 bits_to_f32(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
@@ -764,64 +818,125 @@ inline void dp_gemm(int64_t m, int64_t k, const at::BFloat16* a, int64_t lda, co
   for (int64_t r = 0; r < m; r += 6)
     kRows[std::min<int64_t>(6, m - r)](pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN);
 }
+#endif
 
-// Runs x [M, K] against `groups` groups of `group` consecutive column blocks of the packed weight;
-// epilogue(row0, rows, g, c) gets the fp32 products of rows row0.. with group g, c[b][r][64].
-template <typename Epilogue>
-void run_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group, Epilogue&& epilogue) {
-  const int64_t m = x.size(0), k = x.size(1);
-  const int64_t groups = packed.size(0) / group;
-  if (m == 0) return;
-  const auto* a = static_cast<const at::BFloat16*>(x.data_ptr());
-  const auto* b = static_cast<const at::BFloat16*>(packed.data_ptr());
-  const int64_t lda = x.stride(0), block = k * kGemmBlockN;
-  const bool tiles = gemm_uses_amx();
-  const int nt = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), groups * m));
-#pragma omp parallel num_threads(nt)
-  {
-    static thread_local std::vector<float> buf;
-    buf.resize(group * kGemmBlockM * kGemmBlockN);
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    for (int64_t r0 = 0; r0 < m; r0 += kGemmBlockM) {
-      // A slice's (group, row) pairs in group-major order, split evenly: a thread takes whole groups
-      // and part of the rows of one at each end (o_proj's 9 blocks would leave threads 4 against 5).
-      const int64_t rows = std::min(kGemmBlockM, m - r0), units = groups * rows;
-      for (int64_t u = units * t / n, u1 = units * (t + 1) / n; u < u1;) {
-        const int64_t g = u / rows, lo = u % rows, len = std::min(rows - lo, u1 - u);
-        for (int64_t j = 0; j < group; ++j) {
-          if (tiles)
-            at::native::cpublas::brgemm(len, kGemmBlockN, k, lda, kGemmBlockN, kGemmBlockN, false, a + (r0 + lo) * lda,
-                                        b + (g * group + j) * block, buf.data() + j * kGemmBlockM * kGemmBlockN, true);
-          else
-            dp_gemm(len, k, a + (r0 + lo) * lda, lda, b + (g * group + j) * block,
-                    buf.data() + j * kGemmBlockM * kGemmBlockN);
-        }
-        epilogue(r0 + lo, len, g, buf.data());
-        u += len;
-      }
+#if PAGODA_GEMM_F32
+// c[R][16] (row stride 64) = a[R][k] @ one 16-column panel b [k][16]: per k two weight vectors, R
+// broadcasts and 2R FMAs, k in order (a row's sums do not depend on R). 6 rows: 12 sums, 2 weight
+// vectors and a broadcast in AVX2's 16 registers. The arrays stay in registers only with the r
+// loops unrolled (gcc spilled acc[R][2] to the stack on every k).
+template <int R>
+inline void f32_rows(int64_t k, const float* a, int64_t lda, const float* b, float* c) {
+  __m256 lo[R], hi[R];
+  const float* ar[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    lo[r] = hi[r] = _mm256_setzero_ps();
+    ar[r] = a + r * lda;
+  }
+  for (int64_t p = 0; p < k; ++p) {
+    const __m256 b0 = _mm256_loadu_ps(b + p * kGemmPanelF32), b1 = _mm256_loadu_ps(b + p * kGemmPanelF32 + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_broadcast_ss(ar[r] + p);
+      lo[r] = _mm256_fmadd_ps(av, b0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(av, b1, hi[r]);
     }
-    if (tiles) at::native::cpublas::brgemm_release(true);
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(c + r * kGemmBlockN, lo[r]);
+    _mm256_storeu_ps(c + r * kGemmBlockN + 8, hi[r]);
+  }
+}
+
+// c[m][64] = a[m][k] @ one 64-column block b [4][k][16]: 6 rows at a time through the block's four
+// panels, so the rows' 6 x k inputs stay in L1 while the block (144-384 KB at SmolLM2's shapes)
+// streams from L2.
+inline void f32_gemm(int64_t m, int64_t k, const float* a, int64_t lda, const float* b, float* c) {
+  using Rows = void (*)(int64_t, const float*, int64_t, const float*, float*);
+  static constexpr Rows kRows[] = {nullptr, f32_rows<1>, f32_rows<2>, f32_rows<3>, f32_rows<4>, f32_rows<5>, f32_rows<6>};
+  for (int64_t r = 0; r < m; r += 6) {
+    const Rows rows = kRows[std::min<int64_t>(6, m - r)];
+    for (int64_t s = 0; s < kGemmBlockN / kGemmPanelF32; ++s)
+      rows(k, a + r * lda, lda, b + s * k * kGemmPanelF32, c + r * kGemmBlockN + s * kGemmPanelF32);
   }
 }
 #endif
 
+// Runs x [M, K] against `groups` groups of `group` consecutive column blocks of the packed weight
+// (run_gemm_blocks); epilogue(row0, rows, g, c) gets the fp32 products of rows row0.. with group g,
+// c[b][r][64].
+template <typename Epilogue>
+void run_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group, Epilogue&& epilogue) {
+  const int64_t m = x.size(0), k = x.size(1), lda = x.stride(0), block = k * kGemmBlockN;
+  const int64_t groups = packed.size(0) / group, cblock = kGemmBlockM * kGemmBlockN;
+  if (x.scalar_type() == at::kFloat) {
+#if PAGODA_GEMM_F32
+    const float* a = x.data_ptr<float>();
+    const float* b = packed.data_ptr<float>();
+    run_gemm_blocks(
+        m, groups, group,
+        [&](int64_t r, int64_t len, int64_t g, float* c) {
+          for (int64_t j = 0; j < group; ++j) f32_gemm(len, k, a + r * lda, lda, b + (g * group + j) * block, c + j * cblock);
+        },
+        epilogue, [] {});
+#endif
+    return;
+  }
+#if PAGODA_GEMM_BF16
+  const auto* a = static_cast<const at::BFloat16*>(x.data_ptr());
+  const auto* b = static_cast<const at::BFloat16*>(packed.data_ptr());
+  const bool tiles = gemm_uses_amx();
+  run_gemm_blocks(
+      m, groups, group,
+      [&](int64_t r, int64_t len, int64_t g, float* c) {
+        for (int64_t j = 0; j < group; ++j) {
+          if (tiles)
+            at::native::cpublas::brgemm(len, kGemmBlockN, k, lda, kGemmBlockN, kGemmBlockN, false, a + r * lda,
+                                        b + (g * group + j) * block, c + j * cblock, true);
+          else
+            dp_gemm(len, k, a + r * lda, lda, b + (g * group + j) * block, c + j * cblock);
+        }
+      },
+      epilogue, [&] {
+        if (tiles) at::native::cpublas::brgemm_release(true);
+      });
+#endif
+}
+
+// x [M, K] bf16 or float32 with contiguous rows, and a weight packed for it.
 void check_gemm(const at::Tensor& x, const at::Tensor& packed, const char* name) {
-  TORCH_CHECK(gemm_supported(), name, ": this CPU has no AVX512-BF16 or AMX-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 2 == 0, name,
-              ": x must be bf16 [M, K] with contiguous rows at an even stride");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(1) * 2 == x.size(1) && packed.size(2) == kGemmBlockN && packed.size(3) == 2,
-              name, ": packed must come from gemm_pack_weight for K = ", x.size(1));
+  const bool f32 = x.scalar_type() == at::kFloat;
+  TORCH_CHECK(f32 ? gemm_f32_supported() : gemm_supported(), name, ": this CPU has no ",
+              f32 ? "AVX2 and FMA" : "AVX512-BF16 or AMX-BF16");
+  TORCH_CHECK(x.dim() == 2 && (f32 || x.scalar_type() == at::kBFloat16) && x.stride(1) == 1 &&
+                  (f32 || x.stride(0) % 2 == 0),
+              name, ": x must be bf16 or float32 [M, K] with contiguous rows (bf16: at an even stride)");
+  const bool ok = f32 ? packed.dim() == 4 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                            packed.size(1) * kGemmPanelF32 == kGemmBlockN && packed.size(2) == x.size(1) &&
+                            packed.size(3) == kGemmPanelF32
+                      : packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                            packed.size(1) * 2 == x.size(1) && packed.size(2) == kGemmBlockN && packed.size(3) == 2;
+  TORCH_CHECK(ok, name, ": packed must come from gemm_pack_weight for ", x.scalar_type(), " and K = ", x.size(1));
 }
 
 void gemm_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
   check_gemm(x, packed, "gemm_linear");
   const int64_t n = packed.size(0) * kGemmBlockN;
   check_rows(out, "out", x.size(0), n);
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16, "out must be bf16");
-#if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
-  auto* o = static_cast<bf16_t*>(out.data_ptr());
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "out must have x's dtype");
   const int64_t ldo = out.stride(0);
+  if (x.scalar_type() == at::kFloat) {
+    float* o = out.data_ptr<float>();
+    run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(o + (r0 + r) * ldo + g * kGemmBlockN, c + r * kGemmBlockN, kGemmBlockN * sizeof(float));
+    });
+    return;
+  }
+#if PAGODA_GEMM_BF16
+  auto* o = static_cast<bf16_t*>(out.data_ptr());
   run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < kGemmBlockN; j += 16)
@@ -832,17 +947,26 @@ void gemm_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out)
 }
 
 // packed: the fused gate/up weight with its 64-column blocks interleaved (gate block i at 2i, up
-// block i at 2i + 1); out [M, I] = silu(gate) * up as silu_and_mul computes it from the bf16 GEMM output.
+// block i at 2i + 1); out [M, I] = silu(gate) * up as silu_and_mul computes it from the GEMM output.
 void gemm_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
   check_gemm(x, packed, "gemm_linear_silu_mul");
   TORCH_CHECK(packed.size(0) % 2 == 0, "gemm_linear_silu_mul: packed must hold gate / up block pairs");
   const int64_t inter = packed.size(0) / 2 * kGemmBlockN;
   check_rows(out, "out", x.size(0), inter);
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16, "out must be bf16");
-#if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "out must have x's dtype");
+  const int64_t ldo = out.stride(0);
+  if (x.scalar_type() == at::kFloat) {
+    float* o = out.data_ptr<float>();
+    run_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
+      const float* cu = c + kGemmBlockM * kGemmBlockN;
+      for (int64_t r = 0; r < rows; ++r)
+        silu_mul_row(c + r * kGemmBlockN, cu + r * kGemmBlockN, o + (r0 + r) * ldo + g * kGemmBlockN, kGemmBlockN);
+    });
+    return;
+  }
+#if PAGODA_GEMM_BF16
   const uint16_t* table = silu_bf16_table();
   auto* o = static_cast<bf16_t*>(out.data_ptr());
-  const int64_t ldo = out.stride(0);
   run_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
     const float* cu = c + kGemmBlockM * kGemmBlockN;
     for (int64_t r = 0; r < rows; ++r)
@@ -856,6 +980,30 @@ void gemm_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Ten
 #endif
 }
 
+// The epilogue of gemm_linear_rotary_to_cache for rows r0.. of head block h: each row's 64 outputs
+// (in T, as gemm_linear stores them: to_row) go through rotary to q, or to the key cache, or
+// unrotated to the value cache.
+template <typename T, typename ToRow>
+void rotary_to_cache_rows(int64_t r0, int64_t rows, int64_t h, const float* c, ToRow&& to_row, T* q, T* kc, T* vc,
+                          int64_t heads, int64_t kv_heads, const int64_t* slots, int64_t cached, const int64_t* pos,
+                          const float* ct, const float* st) {
+  constexpr int64_t dim = kGemmBlockN;
+  const int64_t kv_row = kv_heads * dim;
+  alignas(64) T row[kGemmBlockN];
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t r = r0 + i;
+    const bool kv = h >= heads;
+    if (kv && r >= cached) continue;  // GEMM padding rows: q only
+    to_row(c + i * kGemmBlockN, row);
+    if (h >= heads + kv_heads) {
+      std::memcpy(vc + slots[r] * kv_row + (h - heads - kv_heads) * dim, row, dim * sizeof(T));
+      continue;
+    }
+    const RowRotator<T> rot(ct + pos[r] * dim, st + pos[r] * dim, dim);
+    rot.apply(row, kv ? kc + slots[r] * kv_row + (h - heads) * dim : q + (r * heads + h) * dim, 1);
+  }
+}
+
 // packed: the fused QKV weight (q heads, k heads, v heads; head_dim 64, one block per head). As
 // rotary_qkv_to_cache on gemm_linear's output: q_out [M, H, 64] = rotary(q); rows r < len(slots)
 // also get rotary(k) and v written to their cache slots.
@@ -864,14 +1012,15 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
                                  at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   check_gemm(x, packed, "gemm_linear_rotary_to_cache");
   const int64_t m = x.size(0), heads = q_out.size(1), dim = kGemmBlockN;
+  const auto dtype = x.scalar_type();
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(3) == dim && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes() &&
-                  key_cache.scalar_type() == at::kBFloat16 && value_cache.scalar_type() == at::kBFloat16,
-              "caches must be contiguous bf16 [num_blocks, block_size, kv_heads, 64] alike");
-  const int64_t kv_heads = key_cache.size(2), kv_row = kv_heads * dim;
+                  key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+              "caches must be contiguous [num_blocks, block_size, kv_heads, 64] alike, in x's dtype");
+  const int64_t kv_heads = key_cache.size(2);
   TORCH_CHECK(packed.size(0) == heads + 2 * kv_heads, "packed must hold ", heads + 2 * kv_heads, " head blocks");
   TORCH_CHECK(q_out.dim() == 3 && q_out.size(0) == m && q_out.size(2) == dim && q_out.is_contiguous() &&
-                  q_out.scalar_type() == at::kBFloat16, "q_out must be contiguous bf16 [M, H, 64]");
+                  q_out.scalar_type() == dtype, "q_out must be contiguous [M, H, 64] in x's dtype");
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == m && positions.scalar_type() == at::kLong &&
                   positions.is_contiguous(), "positions must be contiguous int64 [M]");
   TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
@@ -886,27 +1035,25 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
     TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "slot ", slots[r], " outside the cache [0, ", num_slots, ")");
   for (int64_t r = 0; r < m; ++r)
     TORCH_CHECK(pos[r] >= 0 && pos[r] < cos_table.size(0), "position ", pos[r], " outside the rotary table");
-#if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
-  auto* q = static_cast<bf16_t*>(q_out.data_ptr());
-  auto* kc = static_cast<bf16_t*>(key_cache.data_ptr());
-  auto* vc = static_cast<bf16_t*>(value_cache.data_ptr());
   const float* ct = cos_table.data_ptr<float>();
   const float* st = sin_table.data_ptr<float>();
+  if (dtype == at::kFloat) {
+    const auto to_row = [](const float* c, float* row) { std::memcpy(row, c, kGemmBlockN * sizeof(float)); };
+    run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
+      rotary_to_cache_rows<float>(r0, rows, h, c, to_row, q_out.data_ptr<float>(), key_cache.data_ptr<float>(),
+                                  value_cache.data_ptr<float>(), heads, kv_heads, slots, cached, pos, ct, st);
+    });
+    return;
+  }
+#if PAGODA_GEMM_BF16
+  const auto to_row = [](const float* c, bf16_t* row) {
+    for (int64_t j = 0; j < kGemmBlockN; j += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + j), gemm_round16(c + j));
+  };
   run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
-    alignas(64) bf16_t row[kGemmBlockN];
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t r = r0 + i;
-      const bool kv = h >= heads;
-      if (kv && r >= cached) continue;  // GEMM padding rows: q only
-      for (int64_t j = 0; j < dim; j += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + j), gemm_round16(c + i * kGemmBlockN + j));
-      if (h >= heads + kv_heads) {
-        std::memcpy(vc + slots[r] * kv_row + (h - heads - kv_heads) * dim, row, dim * sizeof(bf16_t));
-        continue;
-      }
-      const RowRotator<bf16_t> rot(ct + pos[r] * dim, st + pos[r] * dim, dim);
-      rot.apply(row, kv ? kc + slots[r] * kv_row + (h - heads) * dim : q + (r * heads + h) * dim, 1);
-    }
+    rotary_to_cache_rows<bf16_t>(r0, rows, h, c, to_row, static_cast<bf16_t*>(q_out.data_ptr()),
+                                 static_cast<bf16_t*>(key_cache.data_ptr()), static_cast<bf16_t*>(value_cache.data_ptr()),
+                                 heads, kv_heads, slots, cached, pos, ct, st);
   });
 #endif
 }
@@ -1044,6 +1191,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.impl("argmax", c10::DispatchKey::CPU, TORCH_FN(argmax));
   m.def("gemm_supported() -> bool", TORCH_FN(gemm_supported));
   m.def("gemm_uses_amx() -> bool", TORCH_FN(gemm_uses_amx));
+  m.def("gemm_f32_supported() -> bool", TORCH_FN(gemm_f32_supported));
   m.def("gemm_pack_weight(Tensor weight) -> Tensor");
   m.impl("gemm_pack_weight", c10::DispatchKey::CPU, TORCH_FN(gemm_pack_weight));
   m.def("gemm_linear(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
