@@ -101,9 +101,8 @@ def run_pagoda(args, requests) -> dict:
 
     warm_up_pagoda(engine, requests)
     res = drive(engine, pagoda_adder(engine, args.detokenize), requests)
-    res["engine"] = f"pagoda (matmul {str(llm.llm_engine.runner.matmul_dtype).removeprefix('torch.')})"
-    if engine.runner.bf16_gemm or engine.runner.f32_gemm:
-        res["engine"] = res["engine"][:-1] + ", Pagoda's GEMMs)"
+    ours = ", Pagoda's GEMMs" if engine.runner.bf16_gemm or engine.runner.f32_gemm else ""
+    res["engine"] = f"pagoda (matmul {str(engine.runner.matmul_dtype).removeprefix('torch.')}{ours})"
     if args.num_speculative_tokens:
         res["engine"] += f" + ngram spec {args.num_speculative_tokens}"
         res["draft_tokens"] = engine.scheduler.num_draft_tokens

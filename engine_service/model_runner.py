@@ -64,7 +64,7 @@ class ModelRunner:
         self.packed_weights = cpu and self.model.pack_weights(
             config.max_num_seqs, gemm_ops=self.layer_ops if self.bf16_gemm or self.f32_gemm else None)
         # The decoder layers in one C++ call a step where the layers allow (LlamaForCausalLM.build_layer_stack).
-        if self.device.type == "cpu" and self.packed_weights:
+        if cpu and self.packed_weights:
             self.model.build_layer_stack(self.layer_ops)
         logger.info("model loaded in %.2f s%s%s", time.perf_counter() - t0,
                     " (GEMM weights packed for oneDNN)" if self.packed_weights else "",
