@@ -107,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.matmul_dtype != "auto" and self.matmul_dtype not in _DTYPES:
             raise ValueError(f"matmul_dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.matmul_dtype!r}")
+        if self.cpu_f32_gemm is not None and not isinstance(self.cpu_f32_gemm, bool):  # "no" would read as True
+            raise ValueError(f"cpu_f32_gemm must be None (the CPU decides), True or False, got {self.cpu_f32_gemm!r}")
         if self.speculative_config is not None:
             self._apply_speculative_config(dict(self.speculative_config))
         if self.num_speculative_tokens < 0:

@@ -20,6 +20,14 @@ def test_auto_matmul_dtype_follows_the_cpu():
         EngineConfig(matmul_dtype="int8")
 
 
+def test_cpu_f32_gemm_takes_none_true_or_false_only():
+    for value in (None, True, False):
+        assert EngineConfig(cpu_f32_gemm=value).cpu_f32_gemm is value
+    for value in ("no", 0, 1):
+        with pytest.raises(ValueError, match="cpu_f32_gemm must be None"):
+            EngineConfig(cpu_f32_gemm=value)
+
+
 def test_wide_weight_linear_is_a_bf16_gemm_with_fp32_accumulation():
     g = torch.Generator().manual_seed(0)
     layer = Linear(96, 40, bias=True)
