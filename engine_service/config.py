@@ -62,10 +62,11 @@ class EngineConfig:
     # and QKV GEMMs; with AMX, plain GEMMs of over 1024 rows stay on oneDNN (faster there). A row's
     # GEMM output then no longer depends on the step's row count. Ignored on other CPUs.
     cpu_bf16_gemm: bool = True
-    # A float32 model's decoder-layer GEMMs on Pagoda's own AVX2 kernel, with the same fusions
-    # (silu * up, rotary + K/V write) and the same row-count invariance as above. None: on CPUs with
-    # AVX2 and no AVX-512 (Zen 1-3), where it is faster than oneDNN's; True: wherever the CPU has
-    # AVX2 and FMA; False: never.
+    # Decoder-layer GEMMs on float32 weights (a float32 model's, or a bf16 model's where matmul_dtype
+    # is float32: bf16 activations widened, outputs rounded to bf16) on Pagoda's own AVX2 kernel,
+    # with the same fusions (silu * up, rotary + K/V write) and the same row-count invariance as
+    # above. None: on CPUs with AVX2 and no AVX-512 (Zen 1-3), where it is faster than oneDNN's;
+    # True: wherever the CPU has AVX2 and FMA; False: never.
     cpu_f32_gemm: bool | None = None
     # Speculative decoding by prompt lookup (vLLM's "ngram" method): a greedy request's next
     # tokens are guessed by finding its last prompt_lookup_max .. prompt_lookup_min tokens earlier

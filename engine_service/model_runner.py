@@ -59,8 +59,10 @@ class ModelRunner:
         self.bf16_gemm = (cpu and config.cpu_bf16_gemm and self.layer_ops.bf16_gemm
                           and self.dtype == torch.bfloat16 and self.matmul_dtype == torch.bfloat16)
         f32_wanted = self.layer_ops.f32_gemm_preferred if config.cpu_f32_gemm is None else config.cpu_f32_gemm
-        self.f32_gemm = (cpu and f32_wanted and self.layer_ops.f32_gemm and self.dtype == torch.float32
-                         and self.matmul_dtype == torch.float32)
+        # float32 weights: a float32 model's, or a bf16 model's on a CPU without bf16 dot products
+        # (bf16 activations widened, outputs rounded to bf16, as llama.py's linear() does).
+        self.f32_gemm = (cpu and f32_wanted and self.layer_ops.f32_gemm
+                         and self.dtype in (torch.float32, torch.bfloat16) and self.matmul_dtype == torch.float32)
         self.packed_weights = cpu and self.model.pack_weights(
             config.max_num_seqs, gemm_ops=self.layer_ops if self.bf16_gemm or self.f32_gemm else None)
         # The decoder layers in one C++ call a step where the layers allow (LlamaForCausalLM.build_layer_stack).

@@ -159,12 +159,13 @@ class CpuLayerOps(TorchLayerOps):
 
     def gemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [N, K] bf16 (N a multiple of 64, K even) or float32 (N a multiple of 64) in the
-        kernels' layout, for the gemm_* GEMMs on activations of its dtype."""
+        kernels' layout, for the gemm_* GEMMs on activations of its dtype (float32 weights also take
+        bf16 activations: widened, the output rounded to bf16)."""
         return torch.ops.pagoda_cpu.gemm_pack_weight(weight.contiguous())
 
     def gemm_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ weight.T, fp32 sums (rounded once to bf16 for bf16 x); a row's result does not
-        depend on M."""
+        """x [M, K] @ weight.T in x's dtype, fp32 sums (rounded once to bf16 for bf16 x); a row's
+        result does not depend on M."""
         out = torch.empty((x.shape[0], packed.shape[0] * GEMM_BLOCK_N), dtype=x.dtype)
         self._gemm_linear(x, packed, out)
         return out

@@ -306,22 +306,32 @@ def test_last_layer_on_sampled_rows_only_gives_the_same_logits(tiny_llama_dir, b
     assert llm.llm_engine.scheduler.num_accepted_tokens > 0, "no speculative chunk was verified"
 
 
-@pytest.mark.parametrize("model,dtype", [("tiny", "float32"), ("tiny", "bfloat16"), ("bundled", "bfloat16"),
-                                         ("bundled", "float32")])
+_F32_GEMM = {"cpu_f32_gemm": True}
+_BF16_ON_F32_GEMM = {"cpu_f32_gemm": True, "matmul_dtype": "float32"}
+
+
+@pytest.mark.parametrize("model,dtype,forced", [
+    pytest.param("tiny", "float32", {}, id="tiny-float32"), pytest.param("tiny", "bfloat16", {}, id="tiny-bfloat16"),
+    pytest.param("bundled", "bfloat16", {}, id="bundled-bfloat16"),
+    pytest.param("bundled", "float32", _F32_GEMM, id="bundled-float32-f32-gemm"),
+    pytest.param("bundled", "bfloat16", _BF16_ON_F32_GEMM, id="bundled-bfloat16-f32-gemm")])
 def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir, bundled_dir, prompts, model,
-                                                                  dtype):
+                                                                  dtype, forced):
     """On CPU the decoder layers run in one C++ call a step (``LlamaForCausalLM.layer_stack``,
     ``CpuLayerOps.decoder_layers``): every step's logits are bitwise those of the Python layers,
     in steps mixing chunked prefill, decodes, speculative chunks, GEMM padding rows and the pruned
     last layer. Tiny float32 takes the host's default (oneDNN, or our float32 GEMMs where the CPU
-    has no AVX-512), bundled float32 our float32 GEMMs (forced: the fused QKV + rotary), bfloat16
-    our bf16 GEMMs (tiny: head_dim 16, QKV then rotary; bundled: the fused QKV + rotary), or where
-    the CPU has no bf16 dot products oneDNN's float32 weights (activations widened, outputs rounded
-    back); where our GEMMs have a row limit (AMX), the bundled model runs again with the limit
-    lowered to 16 rows, so most steps take oneDNN's."""
-    forced = {"cpu_f32_gemm": True} if (model, dtype) == ("bundled", "float32") else {}
+    has no AVX-512), bfloat16 the host's default too: our bf16 GEMMs (tiny: head_dim 16, QKV then
+    rotary; bundled: the fused QKV + rotary), or where the CPU has no bf16 dot products float32
+    weights (activations widened, outputs rounded back) on our float32 GEMMs where there is no
+    AVX-512, else oneDNN's. Forced on every host with AVX2: our float32 GEMMs for the bundled model
+    in float32, and in bfloat16 on float32 weights (both with the fused QKV + rotary). Where our
+    GEMMs have a row limit (AMX), the bundled model runs again with the limit lowered to 16 rows,
+    so most steps take oneDNN's."""
     llm = LLM(tiny_llama_dir if model == "tiny" else bundled_dir, dtype=dtype, max_num_batched_tokens=40,
               num_speculative_tokens=3, max_model_len=512, seed=0, enable_prefix_caching=False, **forced)
+    if forced and not llm.llm_engine.runner.layer_ops.f32_gemm:
+        pytest.skip("this CPU has no AVX2 and FMA: no float32 GEMM of ours to force")
     if forced:
         assert llm.llm_engine.runner.f32_gemm, "the float32 GEMMs did not run"
     runner = llm.llm_engine.runner

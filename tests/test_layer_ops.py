@@ -205,6 +205,11 @@ def test_gemms_run_where_the_cpu_has_their_instructions(ops):
 
 
 GEMM_DTYPES = [torch.bfloat16, torch.float32]
+# (activations, weights): bf16 on bf16 weights, float32 on float32, and bf16 on float32 weights (a
+# bf16 model on a CPU without bf16 dot products: x widened, the output rounded to bf16).
+GEMM_FORMS = [pytest.param(torch.bfloat16, torch.bfloat16, id="bf16"),
+              pytest.param(torch.float32, torch.float32, id="fp32"),
+              pytest.param(torch.bfloat16, torch.float32, id="bf16-on-fp32")]
 
 
 def _gemm_ops(ops, dtype=torch.bfloat16):
@@ -216,18 +221,21 @@ def _gemm_ops(ops, dtype=torch.bfloat16):
     return cpu
 
 
-@pytest.mark.parametrize("n,k,dtype", [(n, k, dtype) for n, k in [(960, 576), (576, 1536), (128, 64)]
-                                        for dtype in GEMM_DTYPES] + [(64, 7, torch.float32)])  # bf16: k even
-def test_gemm_linear_is_close_to_float64_and_row_count_invariant(ops, n, k, dtype):
+@pytest.mark.parametrize("n,k,dtype,w_dtype", [
+    pytest.param(n, k, *form.values, id=f"{n}x{k}-{form.id}") for n, k in [(960, 576), (576, 1536), (128, 64), (64, 7)]
+    for form in GEMM_FORMS if k % 2 == 0 or form.values[1] == torch.float32])  # bf16 weights: k even
+def test_gemm_linear_is_close_to_float64_and_row_count_invariant(ops, n, k, dtype, w_dtype):
     """Each row an fp32 accumulation (rounded once in bf16), and the same bits whether the call has
     1, 40 or 600 rows (more than one 256-row slice)."""
-    cpu = _gemm_ops(ops, dtype)
+    cpu = _gemm_ops(ops, w_dtype)
     g = torch.Generator().manual_seed(n + k)
-    w = (0.05 * torch.randn(n, k, generator=g)).to(dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(w_dtype)
     packed = cpu.gemm_pack(w)
     x = torch.randn(600, k, generator=g).to(dtype)
     full = cpu.gemm_linear(x, packed)
     assert full.shape == (600, n) and full.dtype == dtype
+    if w_dtype != dtype:  # bf16 x on float32 weights: the float32 GEMM of x widened, rounded once
+        assert torch.equal(full, cpu.gemm_linear(x.float(), packed).to(dtype))
     want = x.double() @ w.double().T
     if dtype == torch.bfloat16:
         assert ((full.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-2).all()
@@ -235,37 +243,37 @@ def test_gemm_linear_is_close_to_float64_and_row_count_invariant(ops, n, k, dtyp
         assert ((full.double() - want).abs() <= k * 2 ** -24 * (x.double().abs() @ w.double().abs().T)).all()
     for rows in (*range(1, 13), 40, 257):  # 1-12: every remainder of the kernels' row groups
         assert torch.equal(cpu.gemm_linear(x[-rows:].contiguous(), packed), full[-rows:])
-    if dtype == torch.float32:  # a row of a strided x, as the layers hand over views
-        wide = torch.randn(600, k + 5, generator=g)
+    if w_dtype == torch.float32:  # a row of a strided x, as the layers hand over views
+        wide = torch.randn(600, k + 5, generator=g).to(dtype)
         wide[:, :k] = x
         assert torch.equal(cpu.gemm_linear(wide[:, :k], packed), full)
 
 
-@pytest.mark.parametrize("dtype", GEMM_DTYPES)
+@pytest.mark.parametrize("dtype,w_dtype", GEMM_FORMS)
 @pytest.mark.parametrize("rows", [1, 40, 300])
-def test_gemm_linear_silu_mul_is_the_gemm_then_silu_and_mul(ops, rows, dtype):
+def test_gemm_linear_silu_mul_is_the_gemm_then_silu_and_mul(ops, rows, dtype, w_dtype):
     from pagoda_kernels.layer_ops import interleave_gate_up
 
-    cpu = _gemm_ops(ops, dtype)
+    cpu = _gemm_ops(ops, w_dtype)
     g = torch.Generator().manual_seed(rows)
     inter, k = 256, 576
-    w = (0.05 * torch.randn(2 * inter, k, generator=g)).to(dtype)
+    w = (0.05 * torch.randn(2 * inter, k, generator=g)).to(w_dtype)
     x = (3 * torch.randn(rows, k, generator=g)).to(dtype)
     got = cpu.gemm_linear_silu_mul(x, cpu.gemm_pack(interleave_gate_up(w)))
     want = cpu.silu_and_mul(cpu.gemm_linear(x, cpu.gemm_pack(w)))
     assert got.shape == (rows, inter) and got.dtype == dtype and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", GEMM_DTYPES)
+@pytest.mark.parametrize("dtype,w_dtype", GEMM_FORMS)
 @pytest.mark.parametrize("rows,cached", [(8, 8), (300, 293)])
-def test_gemm_linear_rotary_qkv_to_cache_is_the_gemm_then_rotary_qkv_to_cache(ops, rows, cached, dtype):
+def test_gemm_linear_rotary_qkv_to_cache_is_the_gemm_then_rotary_qkv_to_cache(ops, rows, cached, dtype, w_dtype):
     """Bitwise the unfused pair: rotary(q) for every row, rotary(k) and v in their slots for the
     first `cached` rows (the rest are GEMM padding), every other slot untouched."""
-    cpu = _gemm_ops(ops, dtype)
+    cpu = _gemm_ops(ops, w_dtype)
     g = torch.Generator().manual_seed(rows)
     heads, kvh, dim, k, max_pos, blocks, bs = 9, 3, 64, 576, 512, 40, 16
     cos_t, sin_t = _rope_tables(dim, max_pos)
-    w = (0.05 * torch.randn((heads + 2 * kvh) * dim, k, generator=g)).to(dtype)
+    w = (0.05 * torch.randn((heads + 2 * kvh) * dim, k, generator=g)).to(w_dtype)
     x = torch.randn(rows, k, generator=g).to(dtype)
     positions = torch.randint(0, max_pos, (rows,), generator=g)
     slots = torch.randperm(blocks * bs, generator=g)[:cached]
@@ -292,8 +300,10 @@ def test_gemms_reject_bad_shapes(ops, dtype):
     with pytest.raises(RuntimeError, match="K = 48"):
         cpu.gemm_linear(torch.zeros(2, 48, dtype=dtype), packed)
     other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
-    with pytest.raises(RuntimeError, match="packed must come from gemm_pack_weight|has no"):
-        cpu.gemm_linear(torch.zeros(2, 32, dtype=other), packed)  # x of another dtype than the weight
+    # x of a dtype the weight does not take (float32 weights take bf16 x too, not float16)
+    refused = torch.float32 if dtype == torch.bfloat16 else torch.float16
+    with pytest.raises(RuntimeError, match="x must be .* got (Float|Half)"):
+        cpu.gemm_linear(torch.zeros(2, 32, dtype=refused), packed)
     with pytest.raises(RuntimeError, match="out must have x's dtype"):
         torch.ops.pagoda_cpu.gemm_linear(torch.zeros(2, 32, dtype=dtype), packed, torch.zeros(2, 64, dtype=other))
     if dtype == torch.bfloat16:

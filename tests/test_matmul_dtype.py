@@ -107,15 +107,17 @@ def test_engine_packs_every_gemm_weight_on_cpu(tiny_llama_dir, dtype):
     llm = LLM(tiny_llama_dir, dtype=dtype, max_model_len=256, kv_cache_memory_bytes=16 << 20)
     model = llm.llm_engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    # Where Pagoda's GEMMs take the model's dtype (bf16: AVX512-BF16 or AMX; float32: AVX2 without
-    # AVX-512), gate/up (and with no row limit every decoder layer's weight) lives only in their
-    # layout (LlamaMLP / Linear.pack_gemm); every other weight is packed for oneDNN.
-    ops = llm.llm_engine.runner.layer_ops
+    # Where Pagoda's GEMMs take the layers' weights (bf16: AVX512-BF16 or AMX; float32, a float32
+    # model's or a bf16 model's on a CPU without bf16 dot products: AVX2 without AVX-512), gate/up
+    # (and with no row limit every decoder layer's weight) lives only in their layout (LlamaMLP /
+    # Linear.pack_gemm); every other weight is packed for oneDNN.
+    runner = llm.llm_engine.runner
+    ops = runner.layer_ops
     gemm_only = {id(layer.mlp.gate_up_proj) for layer in model.layers if layer.mlp.gate_up_gemm is not None}
     gemm_only |= {id(m) for m in linears if m.gemm_weight is not None and m.gemm_ops.gemm_max_rows is None}
     assert linears and all((m.packed_weight is not None or id(m) in gemm_only) and m.weight.numel() == 0
                            for m in linears)
-    assert bool(gemm_only) == (ops.bf16_gemm if dtype == "bfloat16" else ops.f32_gemm_preferred)
+    assert bool(gemm_only) == (ops.bf16_gemm if runner.matmul_dtype == torch.bfloat16 else ops.f32_gemm_preferred)
     if model.tie_word_embeddings:
         assert model.tied_lm_head_packed is not None
     torch_dtype = getattr(torch, dtype)

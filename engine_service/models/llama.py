@@ -94,7 +94,8 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.takes_gemm(x.shape[0]) and x.dtype == self.gemm_weight.dtype:
+        if self.takes_gemm(x.shape[0]) and x.dtype in (self.gemm_weight.dtype, torch.bfloat16):
+            # (bf16 x on a float32 weight: widened, the output rounded to bf16, as linear() does)
             return self.gemm_ops.gemm_linear(x, self.gemm_weight)
         if self.packed_weight is not None:
             return linear(x, self.packed_weight, self.bias, packed=True)
@@ -403,7 +404,8 @@ class LlamaForCausalLM(nn.Module):
         """Reorder every GEMM weight (the LM head included) into oneDNN's blocked layout once
         (``pack_cpu_weight``); the plain copies are dropped. False where oneDNN is not available.
 
-        ``gemm_ops`` (layer ops whose GEMMs take the weights' dtype, which must be the activations'):
+        ``gemm_ops`` (layer ops whose GEMMs take the weights' dtype: the activations', or float32
+        weights under bf16 activations):
         the decoder layers' weights are also packed for Pagoda's own GEMMs (``Linear.pack_gemm``,
         ``LlamaMLP.pack_gemm``: gate/up only there, every layer only there where ``gemm_max_rows``
         is None)."""

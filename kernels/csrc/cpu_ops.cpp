@@ -684,6 +684,9 @@ void argmax(const at::Tensor& x, at::Tensor& out) {
 // to ~1024 rows and slower above (the model calls it below that: CpuLayerOps.gemm_max_rows); on a
 // 2-core Zen 4 1.0-2.0x at every row count, most where the weight or inputs are cold; float32 on a
 // 2-core Zen 3 (AVX2) 1.0-1.2x from 64 to 2048 rows and 1.1-1.6x at 8 (and W in float32 3% faster).
+// Float32 weights also take bf16 x (a bf16 model on a CPU without bf16 dot products keeps float32
+// copies of its bf16 weights): x is widened once, exactly, and each output rounded to bf16, as
+// llama.py's linear() computes it on oneDNN.
 // The fused forms:
 //   gemm_linear_silu_mul: gate/up blocks interleaved, the epilogue writes silu(gate) * up;
 //   gemm_linear_rotary_to_cache: one block per head of the fused QKV output, the epilogue writes
@@ -864,11 +867,26 @@ inline void f32_gemm(int64_t m, int64_t k, const float* a, int64_t lda, const fl
 }
 #endif
 
+// A block row of float32 products rounded to bf16 (nearest even, as torch's float -> bfloat16):
+// what a bf16 model's GEMM on float32 weights stores (llama.py's linear() rounds alike).
+inline void round_block_row(const float* c, bf16_t* dst) {
+#if PAGODA_EW_AVX512
+  for (int64_t j = 0; j < kGemmBlockN; j += 16) store16(dst + j, _mm512_loadu_ps(c + j));
+#elif PAGODA_EW_AVX2
+  for (int64_t j = 0; j < kGemmBlockN; j += 8) store8(dst + j, _mm256_loadu_ps(c + j));
+#else
+  for (int64_t j = 0; j < kGemmBlockN; ++j) store(c[j], dst + j);
+#endif
+}
+
 // Runs x [M, K] against `groups` groups of `group` consecutive column blocks of the packed weight
 // (run_gemm_blocks); epilogue(row0, rows, g, c) gets the fp32 products of rows row0.. with group g,
 // c[b][r][64].
 template <typename Epilogue>
-void run_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group, Epilogue&& epilogue) {
+void run_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group, Epilogue&& epilogue) {
+  // float32 weights with bf16 x (a bf16 model on float32 weights): x widened once, exactly.
+  const at::Tensor x =
+      packed.scalar_type() == at::kFloat && x_in.scalar_type() != at::kFloat ? x_in.to(at::kFloat) : x_in;
   const int64_t m = x.size(0), k = x.size(1), lda = x.stride(0), block = k * kGemmBlockN;
   const int64_t groups = packed.size(0) / group, cblock = kGemmBlockM * kGemmBlockN;
   if (x.scalar_type() == at::kFloat) {
@@ -905,14 +923,17 @@ void run_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group, Epil
 #endif
 }
 
-// x [M, K] bf16 or float32 with contiguous rows, and a weight packed for it.
+// x [M, K] with contiguous rows and a weight packed for it: bf16 weights take bf16 x; float32
+// weights take float32 x, or bf16 x (widened; the output is rounded to bf16).
 void check_gemm(const at::Tensor& x, const at::Tensor& packed, const char* name) {
-  const bool f32 = x.scalar_type() == at::kFloat;
+  const bool f32 = packed.scalar_type() == at::kFloat;
   TORCH_CHECK(f32 ? gemm_f32_supported() : gemm_supported(), name, ": this CPU has no ",
               f32 ? "AVX2 and FMA" : "AVX512-BF16 or AMX-BF16");
-  TORCH_CHECK(x.dim() == 2 && (f32 || x.scalar_type() == at::kBFloat16) && x.stride(1) == 1 &&
+  const bool x_bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (x_bf16 || (f32 && x.scalar_type() == at::kFloat)) && x.stride(1) == 1 &&
                   (f32 || x.stride(0) % 2 == 0),
-              name, ": x must be bf16 or float32 [M, K] with contiguous rows (bf16: at an even stride)");
+              name, ": x must be [M, K] with contiguous rows, bf16 (at an even stride for bf16 weights) or, for "
+              "float32 weights, float32; got ", x.scalar_type());
   const bool ok = f32 ? packed.dim() == 4 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
                             packed.size(1) * kGemmPanelF32 == kGemmBlockN && packed.size(2) == x.size(1) &&
                             packed.size(3) == kGemmPanelF32
@@ -932,6 +953,13 @@ void gemm_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out)
     run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
       for (int64_t r = 0; r < rows; ++r)
         std::memcpy(o + (r0 + r) * ldo + g * kGemmBlockN, c + r * kGemmBlockN, kGemmBlockN * sizeof(float));
+    });
+    return;
+  }
+  if (packed.scalar_type() == at::kFloat) {  // bf16 x on float32 weights
+    auto* o = static_cast<bf16_t*>(out.data_ptr());
+    run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
+      for (int64_t r = 0; r < rows; ++r) round_block_row(c + r * kGemmBlockN, o + (r0 + r) * ldo + g * kGemmBlockN);
     });
     return;
   }
@@ -961,6 +989,22 @@ void gemm_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Ten
       const float* cu = c + kGemmBlockM * kGemmBlockN;
       for (int64_t r = 0; r < rows; ++r)
         silu_mul_row(c + r * kGemmBlockN, cu + r * kGemmBlockN, o + (r0 + r) * ldo + g * kGemmBlockN, kGemmBlockN);
+    });
+    return;
+  }
+  if (packed.scalar_type() == at::kFloat) {  // bf16 x on float32 weights: gate and up rounded to bf16 first
+#if PAGODA_EW_AVX512
+    silu_bf16_table();  // built once, before the threads start
+#endif
+    auto* o = static_cast<bf16_t*>(out.data_ptr());
+    run_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
+      const float* cu = c + kGemmBlockM * kGemmBlockN;
+      alignas(64) bf16_t gate[kGemmBlockN], up[kGemmBlockN];
+      for (int64_t r = 0; r < rows; ++r) {
+        round_block_row(c + r * kGemmBlockN, gate);
+        round_block_row(cu + r * kGemmBlockN, up);
+        silu_mul_row(gate, up, o + (r0 + r) * ldo + g * kGemmBlockN, kGemmBlockN);
+      }
     });
     return;
   }
@@ -1042,6 +1086,15 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
     run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
       rotary_to_cache_rows<float>(r0, rows, h, c, to_row, q_out.data_ptr<float>(), key_cache.data_ptr<float>(),
                                   value_cache.data_ptr<float>(), heads, kv_heads, slots, cached, pos, ct, st);
+    });
+    return;
+  }
+  if (packed.scalar_type() == at::kFloat) {  // bf16 x on float32 weights
+    run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
+      rotary_to_cache_rows<bf16_t>(r0, rows, h, c, round_block_row, static_cast<bf16_t*>(q_out.data_ptr()),
+                                   static_cast<bf16_t*>(key_cache.data_ptr()),
+                                   static_cast<bf16_t*>(value_cache.data_ptr()), heads, kv_heads, slots, cached, pos,
+                                   ct, st);
     });
     return;
   }
