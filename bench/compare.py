@@ -16,7 +16,8 @@ Pagoda / engine, TTFT p50 / p99 with every request submitted at t0) and the frac
 machine's arithmetic ceiling each engine used: 2 x non-embedding weights per prompt and output
 token + 2 x LM head per output token + causal attention, over the 2048^3 matmul rate of the run's
 dtype and of the faster dtype. Below the table: the workload's ceiling on this host (every GEMM and
-the prefill attention at the best 2048^3 rate measured, torch.mm's or oneDNN's on a packed weight;
+the prefill attention at the best 2048^3 rate measured, torch.mm's, oneDNN's on a packed weight or
+Pagoda's own GEMM where the engine has one for the dtype;
 decode attention reading its K/V at the streaming rate; nothing else costing time) and each
 engine's share of it.
 
@@ -56,7 +57,7 @@ LLAMACPP_VENV = Path(os.environ.get("PAGODA_LLAMACPP_VENV", "/work/baselines/lla
 START_ENV = dict(os.environ)
 
 MATMUL_SNIPPET = """
-import time, torch
+import sys, time, torch
 
 
 def best_seconds(fn, reps, trials=3):
@@ -96,6 +97,23 @@ for name in ("float32", "bfloat16"):
             out[name + "_onednn"] = 2 * n ** 3 / best_seconds(lin, 5) / 1e9
         except (RuntimeError, AttributeError):
             pass
+    # And through Pagoda's own GEMM where the engine takes it for this dtype's weights (float32 on
+    # AVX2, bf16 on AVX512-BF16 or AMX): on an AVX2-only Zen 3 it outruns both products above, and a
+    # ceiling below the engine's own GEMM rate would overstate how close a run comes to it.
+    out[name + "_pagoda"] = 0.0
+    if n == 2048:
+        try:
+            sys.path.insert(0, ROOT)
+            from pagoda_kernels.layer_ops import CpuLayerOps
+
+            ops = CpuLayerOps()
+            if ops.f32_gemm if name == "float32" else ops.bf16_gemm:
+                packed = ops.gemm_pack(b)  # b as the weight [N, K]: a @ b.T
+                ours = lambda: ops.gemm_linear(a, packed)
+                ours()
+                out[name + "_pagoda"] = 2 * n ** 3 / best_seconds(ours, 5) / 1e9
+        except Exception:  # no compiler or no such kernel here: the two rates above stand
+            pass
 # Streaming read rate on all threads: a 512 MB sum (far beyond the last-level cache).
 x = torch.ones(128 << 20)
 x.sum()
@@ -105,7 +123,8 @@ print(out)
 
 
 def matmul_rates() -> dict:
-    out = subprocess.run([PAGODA_PY, "-c", MATMUL_SNIPPET], capture_output=True, text=True, check=True)
+    snippet = f"ROOT = {str(ROOT)!r}\n" + MATMUL_SNIPPET
+    out = subprocess.run([PAGODA_PY, "-c", snippet], capture_output=True, text=True, check=True)
     return eval(out.stdout.strip().splitlines()[-1])  # noqa: S307  (our own subprocess's dict literal)
 
 
@@ -113,9 +132,12 @@ SMOLLM2 = dict(h=576, inter=1536, layers=30, heads=9, kvh=3, d=64, vocab=49152)
 
 
 def show_rates(when: str, r: dict) -> None:
+    ours = [f"{k} {r[d + '_pagoda']:.0f}" for k, d in (("fp32", "float32"), ("bf16", "bfloat16"))
+            if r.get(d + "_pagoda")]
     print(f"matmul 2048^3 {when}: fp32 {r['float32']:.0f}, bf16 {r['bfloat16']:.0f} GFLOP/s (oneDNN packed: "
-          f"fp32 {r['float32_onednn']:.0f}, bf16 {r['bfloat16_onednn']:.0f}); streaming read {r['stream_gbs']:.1f} GB/s",
-          flush=True)
+          f"fp32 {r['float32_onednn']:.0f}, bf16 {r['bfloat16_onednn']:.0f}"
+          + (f"; Pagoda's GEMM: {', '.join(ours)}" if ours else "")
+          + f"); streaming read {r['stream_gbs']:.1f} GB/s", flush=True)
 
 
 def model_flops(requests) -> float:
@@ -331,14 +353,14 @@ def main() -> int:
     # The ceiling: bf16 may multiply in fp32 where that is faster (as Pagoda does on CPUs without
     # bf16 instructions, exactly); fp32 only in fp32.
     stream = rate["stream_gbs"]
-    fastest = {k: max(rate[k], rate[k + "_onednn"]) for k in ("float32", "bfloat16")}
+    fastest = {k: max(rate[k], rate[k + "_onednn"], rate.get(k + "_pagoda", 0.0)) for k in ("float32", "bfloat16")}
     usable = max(fastest.values()) if args.dtype == "bfloat16" else fastest["float32"]
     wl = load_workload(args.workload)
     bound = bound_seconds(wl, args.dtype, usable, stream)
     out_tokens = sum(r["max_tokens"] for r in wl)
     print(f"\nceiling for {args.workload} on this host: {bound:.1f} s = {out_tokens / bound:.0f} output tok/s "
-          f"(GEMMs and prefill attention at {usable:.0f} GFLOP/s, the faster of torch.mm and oneDNN on a "
-          f"packed weight; decode attention's K/V reads at the "
+          f"(GEMMs and prefill attention at {usable:.0f} GFLOP/s, the fastest of torch.mm, oneDNN on a "
+          f"packed weight and Pagoda's own GEMM; decode attention's K/V reads at the "
           f"{stream:.1f} GB/s streaming rate, nothing else); "
           + "; ".join(f"{r['engine']} at {100 * bound / r['elapsed']:.0f}% of it" for r in results
                       if r["workload"] == args.workload))
