@@ -330,11 +330,11 @@ def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir
     so most steps take oneDNN's."""
     llm = LLM(tiny_llama_dir if model == "tiny" else bundled_dir, dtype=dtype, max_num_batched_tokens=40,
               num_speculative_tokens=3, max_model_len=512, seed=0, enable_prefix_caching=False, **forced)
-    if forced and not llm.llm_engine.runner.layer_ops.f32_gemm:
-        pytest.skip("this CPU has no AVX2 and FMA: no float32 GEMM of ours to force")
-    if forced:
-        assert llm.llm_engine.runner.f32_gemm, "the float32 GEMMs did not run"
     runner = llm.llm_engine.runner
+    if forced:
+        if not runner.layer_ops.f32_gemm:
+            pytest.skip("this CPU has no AVX2 and FMA: no float32 GEMM of ours to force")
+        assert runner.f32_gemm, "the float32 GEMMs did not run"
     stack, ops = runner.model.layer_stack, runner.layer_ops
     assert stack is not None, "the decoder layers do not run in one call on this CPU"
     calls = []
