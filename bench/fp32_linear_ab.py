@@ -1,14 +1,15 @@
-"""float32 GEMMs: the engine's oneDNN-packed weights, Pagoda's own float32 GEMM (AVX2; where the
-CPU has AVX2 and FMA) and torch's F.linear on the plain weight (MKL's sgemm in torch's CPU wheels),
+"""float32 GEMMs: the engine's oneDNN-packed weights, Pagoda's own float32 GEMM (AVX-512 or AVX2;
+where the CPU has AVX2 and FMA) and torch's F.linear on the plain weight (MKL's sgemm in torch's CPU wheels),
 at the bundled model's weight shapes and W's row counts.
 
     python bench/fp32_linear_ab.py [--rows 8 64 256 1024 2048] [--shapes qkv o gate_up down lm] [--threads N]
 
 All run on the same inputs, alternating, best of five rounds of enough calls for ~2 GFLOP each.
 Prints each form's GFLOP/s and the ratios to oneDNN's (> 1: faster than oneDNN). The engine packs
-every float32 weight for oneDNN (``pack_cpu_weight``) and, on CPUs with AVX2 and no AVX-512, the
-decoder layers' weights for Pagoda's GEMM instead (``EngineConfig.cpu_f32_gemm``); bench/RESULTS.md
-reads this on an AVX2-only host (the twenty-fourth and twenty-seventh sessions).
+every float32 weight for oneDNN (``pack_cpu_weight``) and, on CPUs with AVX2 and FMA, the decoder
+layers' weights for Pagoda's GEMM instead (``EngineConfig.cpu_f32_gemm``); bench/RESULTS.md reads
+this on an AVX2-only host (the twenty-fourth and twenty-seventh sessions) and on Zen 4 (the
+twenty-ninth).
 """
 from __future__ import annotations
 

@@ -71,8 +71,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="CPU with AVX512-BF16 or AMX, bf16: the decoder layers' GEMMs on Pagoda's own kernels "
                         "with silu*up and rotary + KV write fused (with AMX, over 1024 rows on oneDNN)")
     e.add_argument("--cpu-f32-gemm", action=argparse.BooleanOptionalAction, default=None,
-                   help="float32: the decoder layers' GEMMs on Pagoda's own AVX2 kernel with silu*up and "
-                        "rotary + KV write fused (default: on CPUs without AVX-512)")
+                   help="float32 weights: the decoder layers' GEMMs on Pagoda's own FMA kernel (AVX-512 or AVX2) "
+                        "with silu*up and rotary + KV write fused (default: on wherever the CPU has AVX2 and FMA)")
     e.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     e.add_argument("--swap-space-bytes", type=parse_bytes, default=1 << 30)
     e.add_argument("--seed", type=int, default=0)

@@ -54,7 +54,7 @@ class ModelRunner:
         self.layer_ops = get_layer_ops(self.device, config.attention_backend)
         # CPU GEMMs on weights blocked once for oneDNN (see pack_cpu_weight), and the layers' GEMMs on
         # Pagoda's own kernels: bf16 with AVX512-BF16 or AMX (EngineConfig.cpu_bf16_gemm), float32 with
-        # AVX2 where there is no AVX-512 (EngineConfig.cpu_f32_gemm).
+        # AVX-512 or AVX2 FMAs (EngineConfig.cpu_f32_gemm).
         cpu = self.device.type == "cpu"
         self.bf16_gemm = (cpu and config.cpu_bf16_gemm and self.layer_ops.bf16_gemm
                           and self.dtype == torch.bfloat16 and self.matmul_dtype == torch.bfloat16)

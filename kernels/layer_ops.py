@@ -29,7 +29,7 @@ class TorchLayerOps:
     name = "torch"
     bf16_gemm = False  # CpuLayerOps on a CPU with AVX512-BF16 or AMX-BF16: the gemm_* GEMMs below in bf16
     f32_gemm = False  # CpuLayerOps on a CPU with AVX2 and FMA: the gemm_* GEMMs in float32
-    f32_gemm_preferred = False  # and faster there than oneDNN's (CPUs without AVX-512)
+    f32_gemm_preferred = False  # and the engine's default there (EngineConfig.cpu_f32_gemm None)
     gemm_max_rows: int | None = 0  # the most rows the model hands gemm_linear (None: any number)
     runs_decoder_layers = False  # CpuLayerOps: decoder_layers, a stack of Llama layers in one C++ call
 
@@ -90,11 +90,13 @@ class CpuLayerOps(TorchLayerOps):
         self._argmax = torch.ops.pagoda_cpu.argmax.default
         self._argmax_vectorized = bool(torch.ops.pagoda_cpu.has_avx512())
         self.bf16_gemm = bool(torch.ops.pagoda_cpu.gemm_supported())
-        # Our float32 GEMM is AVX2 code: as fast as oneDNN's or faster where that has AVX2 too (2-core
-        # Zen 3: 1.0-1.2x a GEMM, W in float32 +3%; bench/RESULTS.md), and not measured against its
-        # AVX-512 kernels, so the engine takes it only on CPUs without AVX-512.
+        # Our float32 GEMM (AVX-512 panels of 6 rows x 64 columns where the build targets AVX-512, else
+        # AVX2 panels of 6 x 16) is as fast as oneDNN's or faster at the model's shapes: 2-core Zen 3
+        # 1.0-1.2x a GEMM, W in float32 +3%; 2-core Zen 4 (AVX-512) 1.0-1.7x, W in float32 +11%
+        # (bench/RESULTS.md). Not yet measured on Zen 5 or a Xeon: EngineConfig.cpu_f32_gemm=False
+        # puts the GEMMs back on oneDNN.
         self.f32_gemm = bool(torch.ops.pagoda_cpu.gemm_f32_supported())
-        self.f32_gemm_preferred = self.f32_gemm and not torch.ops.pagoda_cpu.has_avx512()
+        self.f32_gemm_preferred = self.f32_gemm
         # With AMX, oneDNN's packed GEMM is faster above ~1024 rows (2-core Xeon, SmolLM2 shapes: the
         # AMX kernel 1.1-2.5x faster up to ~1024 rows, 0.7-0.9x at 2048); the AVX512-BF16 kernel is as
         # fast or faster at every row count (2-core Zen 4: 1.0-2.0x; bench/RESULTS.md). The fused
@@ -155,7 +157,7 @@ class CpuLayerOps(TorchLayerOps):
         return out
 
     # ---- GEMMs of our own (csrc/cpu_ops.cpp): bf16 (bf16_gemm: AMX tiles or AVX512-BF16) and
-    # float32 (f32_gemm: AVX2 FMAs) ------------------------------------------------------------------
+    # float32 (f32_gemm: AVX-512 or AVX2 FMAs) ------------------------------------------------------------------
 
     def gemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [N, K] bf16 (N a multiple of 64, K even) or float32 (N a multiple of 64) in the

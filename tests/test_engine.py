@@ -320,11 +320,10 @@ def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir
     """On CPU the decoder layers run in one C++ call a step (``LlamaForCausalLM.layer_stack``,
     ``CpuLayerOps.decoder_layers``): every step's logits are bitwise those of the Python layers,
     in steps mixing chunked prefill, decodes, speculative chunks, GEMM padding rows and the pruned
-    last layer. Tiny float32 takes the host's default (oneDNN, or our float32 GEMMs where the CPU
-    has no AVX-512), bfloat16 the host's default too: our bf16 GEMMs (tiny: head_dim 16, QKV then
+    last layer. Tiny float32 takes the host's default (our float32 GEMMs where the CPU has AVX2 and
+    FMA, else oneDNN), bfloat16 the host's default too: our bf16 GEMMs (tiny: head_dim 16, QKV then
     rotary; bundled: the fused QKV + rotary), or where the CPU has no bf16 dot products float32
-    weights (activations widened, outputs rounded back) on our float32 GEMMs where there is no
-    AVX-512, else oneDNN's. Forced on every host with AVX2: our float32 GEMMs for the bundled model
+    weights (activations widened, outputs rounded back) on our float32 GEMMs. Forced on every host with AVX2: our float32 GEMMs for the bundled model
     in float32, and in bfloat16 on float32 weights (both with the fused QKV + rotary). Where our
     GEMMs have a row limit (AMX), the bundled model runs again with the limit lowered to 16 rows,
     so most steps take oneDNN's."""

@@ -108,7 +108,7 @@ def test_engine_packs_every_gemm_weight_on_cpu(tiny_llama_dir, dtype):
     model = llm.llm_engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     # Where Pagoda's GEMMs take the layers' weights (bf16: AVX512-BF16 or AMX; float32, a float32
-    # model's or a bf16 model's on a CPU without bf16 dot products: AVX2 without AVX-512), gate/up
+    # model's or a bf16 model's on a CPU without bf16 dot products: AVX2 and FMA), gate/up
     # (and with no row limit every decoder layer's weight) lives only in their layout (LlamaMLP /
     # Linear.pack_gemm); every other weight is packed for oneDNN.
     runner = llm.llm_engine.runner

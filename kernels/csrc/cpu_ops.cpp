@@ -670,16 +670,17 @@ void argmax(const at::Tensor& x, at::Tensor& out) {
 }
 
 
-// ---- GEMMs of our own: bf16 on AMX tiles or AVX512-BF16 dot products, float32 on AVX2 FMAs --------
+// ---- GEMMs of our own: bf16 on AMX tiles or AVX512-BF16 dot products, float32 on FMAs ------------
 // y = x @ W^T for x [M, K] and a weight packed once by gemm_pack_weight, 64 output columns per block:
 //   bf16: [N/64][K/2][64][2], the VNNI pair layout both bf16 instruction sets read;
-//   float32: [N/64][4][K][16], each block as four 16-column panels, a panel's k rows in order.
+//   float32: [N/64][64/P][K][P], each block as 64/P panels of P = kGemmPanelF32 columns (64 with
+//     AVX-512, 16 with AVX2), a panel's k rows in order.
 // For each 256-row slice of x, each thread takes a run of column blocks (and some rows of the blocks
 // at its run's ends), so a weight block is read about once per slice and a row's value never depends
 // on how many rows the call has (oneDNN's own GEMMs pick another K order at some row counts than at
 // others). A bf16 block is multiplied by torch's cpublas::brgemm (oneDNN's AMX micro-kernel) where
 // the CPU has AMX-BF16, else by dp_rows below (vdpbf16ps, fp32 sums); a float32 block by f32_rows
-// (6 rows x 16 columns of FMAs). Against oneDNN's packed linear (bench/bf16_gemm.py,
+// (6 rows x P columns of FMAs). Against oneDNN's packed linear (bench/bf16_gemm.py,
 // bench/fp32_linear_ab.py, bench/RESULTS.md): bf16 on a 2-core Xeon with AMX 1.1-2.5x faster from 8
 // to ~1024 rows and slower above (the model calls it below that: CpuLayerOps.gemm_max_rows); on a
 // 2-core Zen 4 1.0-2.0x at every row count, most where the weight or inputs are cold; float32 on a
@@ -694,7 +695,14 @@ void argmax(const at::Tensor& x, at::Tensor& out) {
 // Each fused form gives bitwise what gemm_linear followed by the unfused op gives.
 constexpr int64_t kGemmBlockN = 64;
 constexpr int64_t kGemmBlockM = 256;
-constexpr int64_t kGemmPanelF32 = 16;  // columns of a float32 panel
+// Columns of a float32 panel: one block's 64 (four zmm registers a row) where the compiler targets
+// AVX-512, 16 (two ymm) on AVX2. Either way a row's sums run k in order from zero, one FMA per k, so
+// both give the same bits.
+#if PAGODA_EW_AVX512
+constexpr int64_t kGemmPanelF32 = 64;
+#else
+constexpr int64_t kGemmPanelF32 = 16;
+#endif
 
 #if PAGODA_EW_AVX512 && defined(__AVX512BF16__)
 #define PAGODA_GEMM_BF16 1
@@ -735,7 +743,7 @@ at::Tensor gemm_pack_weight(const at::Tensor& weight) {
   if (weight.scalar_type() == at::kFloat) {
     TORCH_CHECK(gemm_f32_supported(), "gemm_pack_weight: float32 needs a CPU with AVX2 and FMA");
     TORCH_CHECK(n % kGemmBlockN == 0 && k > 0, "weight [", n, ", ", k, "]: N must be a multiple of ", kGemmBlockN);
-    const int64_t panels = kGemmBlockN / kGemmPanelF32;  // [N/64][4][K][16]
+    const int64_t panels = kGemmBlockN / kGemmPanelF32;  // [N/64][64/P][K][P]
     return weight.reshape({n / kGemmBlockN, panels, kGemmPanelF32, k}).transpose(2, 3).contiguous();
   }
   TORCH_CHECK(gemm_supported(), "gemm_pack_weight: this CPU has no AVX512-BF16 or AMX-BF16");
@@ -823,7 +831,42 @@ inline void dp_gemm(int64_t m, int64_t k, const at::BFloat16* a, int64_t lda, co
 }
 #endif
 
-#if PAGODA_GEMM_F32
+#if PAGODA_GEMM_F32 && PAGODA_EW_AVX512
+// c[R][64] = a[R][k] @ one 64-column block b [k][64]: per k four weight vectors, R broadcasts and 4R
+// FMAs, k in order. 6 rows: 24 sums, 4 weight vectors and a broadcast in AVX-512's 32 registers
+// (the bf16 dp_rows' shape); each x value is broadcast once per block, not once per 16 columns.
+template <int R>
+inline void f32_rows(int64_t k, const float* a, int64_t lda, const float* b, float* c) {
+  __m512 s0[R], s1[R], s2[R], s3[R];
+  const float* ar[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    s0[r] = s1[r] = s2[r] = s3[r] = _mm512_setzero_ps();
+    ar[r] = a + r * lda;
+  }
+  for (int64_t p = 0; p < k; ++p) {
+    const float* bp = b + p * kGemmPanelF32;
+    const __m512 b0 = _mm512_loadu_ps(bp), b1 = _mm512_loadu_ps(bp + 16), b2 = _mm512_loadu_ps(bp + 32),
+                 b3 = _mm512_loadu_ps(bp + 48);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(ar[r][p]);
+      s0[r] = _mm512_fmadd_ps(av, b0, s0[r]);
+      s1[r] = _mm512_fmadd_ps(av, b1, s1[r]);
+      s2[r] = _mm512_fmadd_ps(av, b2, s2[r]);
+      s3[r] = _mm512_fmadd_ps(av, b3, s3[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    float* cr = c + r * kGemmBlockN;
+    _mm512_storeu_ps(cr, s0[r]);
+    _mm512_storeu_ps(cr + 16, s1[r]);
+    _mm512_storeu_ps(cr + 32, s2[r]);
+    _mm512_storeu_ps(cr + 48, s3[r]);
+  }
+}
+#elif PAGODA_GEMM_F32
 // c[R][16] (row stride 64) = a[R][k] @ one 16-column panel b [k][16]: per k two weight vectors, R
 // broadcasts and 2R FMAs, k in order (a row's sums do not depend on R). 6 rows: 12 sums, 2 weight
 // vectors and a broadcast in AVX2's 16 registers. The arrays stay in registers only with the r
@@ -853,7 +896,10 @@ inline void f32_rows(int64_t k, const float* a, int64_t lda, const float* b, flo
   }
 }
 
-// c[m][64] = a[m][k] @ one 64-column block b [4][k][16]: 6 rows at a time through the block's four
+#endif
+
+#if PAGODA_GEMM_F32
+// c[m][64] = a[m][k] @ one 64-column block b [64/P][k][P]: 6 rows at a time through the block's
 // panels, so the rows' 6 x k inputs stay in L1 while the block (144-384 KB at SmolLM2's shapes)
 // streams from L2.
 inline void f32_gemm(int64_t m, int64_t k, const float* a, int64_t lda, const float* b, float* c) {
