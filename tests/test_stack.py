@@ -24,6 +24,13 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _as_in_a_terminal() -> None:
+    # A command a terminal runs in the foreground gets Ctrl-C's default action, which Python turns
+    # into KeyboardInterrupt; a shell running the test suite in the background (`make test &`, or
+    # nohup) hands its children SIGINT ignored, and the stack would then never see the Ctrl-C below.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_the_stack_answers_its_demo_and_stops_everything_on_ctrl_c(bundled_dir, tmp_path):
     """The demo's prompts all come back through the router; a Ctrl-C in the terminal (SIGINT to the
     whole process group) stops the router, the engine and Redis, in that order, with no error logged
@@ -31,7 +38,7 @@ def test_the_stack_answers_its_demo_and_stops_everything_on_ctrl_c(bundled_dir, 
     out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "router", "stack", "--max-tokens", "4", "--keep-running"],
-                                stdout=out, stderr=err, start_new_session=True)
+                                stdout=out, stderr=err, start_new_session=True, preexec_fn=_as_in_a_terminal)
         try:
             deadline = time.monotonic() + 300
             while "serving on" not in out_path.read_text():
