@@ -685,7 +685,7 @@ void argmax(const at::Tensor& x, at::Tensor& out) {
 // to ~1024 rows and slower above (the model calls it below that: CpuLayerOps.gemm_max_rows); on a
 // 2-core Zen 4 1.0-2.0x at every row count, most where the weight or inputs are cold; float32 on a
 // 2-core Zen 3 (AVX2) 1.0-1.2x from 64 to 2048 rows and 1.1-1.6x at 8 (and W in float32 3% faster),
-// on a 2-core Zen 4 (AVX-512) 0.93-1.14x from 64 to 2048 rows and 1.1-1.7x at 8 (W in float32 +11%).
+// on a 2-core Zen 4 (AVX-512) 0.93-1.14x from 64 to 2048 rows and 1.1-1.7x at 8 (W in float32 +7%).
 // Float32 weights also take bf16 x (a bf16 model on a CPU without bf16 dot products keeps float32
 // copies of its bf16 weights): x is widened once, exactly, and each output rounded to bf16, as
 // llama.py's linear() computes it on oneDNN.
