@@ -157,7 +157,7 @@ class CpuLayerOps(TorchLayerOps):
         return out
 
     # ---- GEMMs of our own (csrc/cpu_ops.cpp): bf16 (bf16_gemm: AMX tiles or AVX512-BF16) and
-    # float32 (f32_gemm: AVX-512 or AVX2 FMAs) ------------------------------------------------------------------
+    # float32 (f32_gemm: AVX-512 or AVX2 FMAs) ------------------------------------------------------
 
     def gemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [N, K] bf16 (N a multiple of 64, K even) or float32 (N a multiple of 64) in the

@@ -323,10 +323,10 @@ def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir
     last layer. Tiny float32 takes the host's default (our float32 GEMMs where the CPU has AVX2 and
     FMA, else oneDNN), bfloat16 the host's default too: our bf16 GEMMs (tiny: head_dim 16, QKV then
     rotary; bundled: the fused QKV + rotary), or where the CPU has no bf16 dot products float32
-    weights (activations widened, outputs rounded back) on our float32 GEMMs. Forced on every host with AVX2: our float32 GEMMs for the bundled model
-    in float32, and in bfloat16 on float32 weights (both with the fused QKV + rotary). Where our
-    GEMMs have a row limit (AMX), the bundled model runs again with the limit lowered to 16 rows,
-    so most steps take oneDNN's."""
+    weights (activations widened, outputs rounded back) on our float32 GEMMs. Forced on every host
+    with AVX2: our float32 GEMMs for the bundled model in float32, and in bfloat16 on float32
+    weights (both with the fused QKV + rotary). Where our GEMMs have a row limit (AMX), the bundled
+    model runs again with the limit lowered to 16 rows, so most steps take oneDNN's."""
     llm = LLM(tiny_llama_dir if model == "tiny" else bundled_dir, dtype=dtype, max_num_batched_tokens=40,
               num_speculative_tokens=3, max_model_len=512, seed=0, enable_prefix_caching=False, **forced)
     runner = llm.llm_engine.runner
