@@ -66,7 +66,8 @@ class EngineConfig:
     # is float32: bf16 activations widened, outputs rounded to bf16) on Pagoda's own FMA kernel
     # (AVX-512 or AVX2), with the same fusions (silu * up, rotary + K/V write) and the same row-count
     # invariance as above. None or True: wherever the CPU has AVX2 and FMA (faster than oneDNN's on
-    # W: +3% on Zen 3, +7% on Zen 4, +4% on the AMX Xeon, bench/RESULTS.md); False: never (oneDNN's packed GEMM).
+    # W: +3% on Zen 3, +7% on Zen 4, +4% on the AMX Xeon, bench/RESULTS.md); False: never
+    # (oneDNN's packed GEMM).
     cpu_f32_gemm: bool | None = None
     # Speculative decoding by prompt lookup (vLLM's "ngram" method): a greedy request's next
     # tokens are guessed by finding its last prompt_lookup_max .. prompt_lookup_min tokens earlier
