@@ -108,15 +108,15 @@ class ModelRunner:
     # ---- the step -----------------------------------------------------------------------------
 
     def _kept_rows(self, rows: torch.Tensor, meta: AttentionMetadata, seq_idx: torch.Tensor,
-                   t: int) -> tuple[KeptRows | None, torch.Tensor]:
+                   t: int, num_decodes: int) -> tuple[KeptRows | None, torch.Tensor]:
         """The last layer's rows (``KeptRows``): the decode rows and the sampled ``rows``, and the
         sampled rows' positions among them; (None, ``rows``) when that is every row (nothing to
-        save). A prefill chunk's sampled rows are a suffix of it (its last row, or every row of a
-        speculative chunk), so the kept ones form chunks of their own with the same sequence
-        lengths: the attention sees the same keys."""
-        bd = meta.num_decode_tokens
+        save). A prefill chunk's sampled row is its last, so the kept ones form chunks of their
+        own with the same sequence lengths: the attention sees the same keys. ``num_decodes``: the
+        sequences of the decode rows (a speculative decode has several)."""
+        rd, bd = meta.num_decode_tokens, num_decodes
         kept = torch.zeros(t, dtype=torch.bool)
-        kept[:bd] = True
+        kept[:rd] = True
         kept[rows] = True
         kept_rows = kept.nonzero().squeeze(1)
         if kept_rows.shape[0] == t:
@@ -128,7 +128,7 @@ class ModelRunner:
         max_pre = int(seq_lens.max()) if sel.numel() else 0
         kmeta = AttentionMetadata(
             slot_mapping=meta.slot_mapping.index_select(0, kept_rows.to(meta.slot_mapping.device)),
-            num_decode_tokens=bd,
+            num_decode_tokens=rd,
             decode_block_tables=meta.decode_block_tables,
             decode_seq_lens=meta.decode_seq_lens,
             num_prefills=int(sel.numel()),
@@ -154,17 +154,23 @@ class ModelRunner:
         self._move_blocks(out)
         if not out.seqs:
             return [], None
-        # Decodes (one query token) first, then prefill chunks.
-        order = sorted(range(len(out.seqs)), key=lambda i: out.num_new_tokens[i] > 1)
+        # Decodes first, then prefill chunks. A decode with a speculative draft is 1 + len(draft)
+        # decode rows, one per position (consecutive), each attending as a plain decode of that
+        # position would: the decode kernel runs them as one item that reads the context once, and
+        # gives each the bits a decode step at that position gives.
+        is_decode = [n == 1 or bool(s.spec_token_ids) for s, n in zip(out.seqs, out.num_new_tokens)]
+        order = sorted(range(len(out.seqs)), key=lambda i: not is_decode[i])
         seqs = [out.seqs[i] for i in order]
         num_new = [out.num_new_tokens[i] for i in order]
         starts = [s.num_computed_tokens for s in seqs]
-        num_decodes = sum(1 for n in num_new if n == 1)
+        num_decodes = sum(is_decode)  # sequences
 
-        input_ids: list[int] = [s.token_ids[st] for s, st in zip(seqs[:num_decodes], starts)]
+        input_ids: list[int] = []
+        for s, st in zip(seqs[:num_decodes], starts):
+            input_ids.append(s.token_ids[st])
+            input_ids.extend(s.spec_token_ids)
         for s, st, n in zip(seqs[num_decodes:], starts[num_decodes:], num_new[num_decodes:]):
             input_ids.extend(s.token_ids[st:st + n])
-            input_ids.extend(s.spec_token_ids)  # a decode's speculative draft (a prefill has none)
 
         b = len(seqs)
         num_new_t = torch.tensor(num_new)
@@ -185,14 +191,18 @@ class ModelRunner:
         slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
 
         bd = num_decodes
-        dec_lens = seq_lens_t[:bd]
+        rd = int(cu[bd])  # decode rows
         pre_lens = seq_lens_t[bd:]
+        if rd == bd:
+            dec_lens, dec_tables = seq_lens_t[:bd], block_tables[:bd]
+        else:  # speculative rows: each position's own length, its sequence's table
+            dec_lens, dec_tables = positions[:rd] + 1, block_tables[seq_idx[:rd]]
         max_dec = int(dec_lens.max()) if bd else 0
         max_pre = int(pre_lens.max()) if b > bd else 0
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
-            num_decode_tokens=bd,
-            decode_block_tables=block_tables[:bd, :-(-max_dec // bs)].contiguous(),
+            num_decode_tokens=rd,
+            decode_block_tables=dec_tables[:, :-(-max_dec // bs)].contiguous(),
             decode_seq_lens=dec_lens.to(torch.int32),
             num_prefills=b - bd,
             prefill_query_lens=num_new_t[bd:],
@@ -219,7 +229,7 @@ class ModelRunner:
         # rows_t: where each sampled row's final hidden state is in the forward's output.
         keep, rows_t = None, torch.tensor(rows, dtype=torch.int64)
         if self.prune_last_layer and b > bd:
-            keep, rows_t = self._kept_rows(rows_t, meta, seq_idx, t)
+            keep, rows_t = self._kept_rows(rows_t, meta, seq_idx, t, bd)
 
         hidden = self.model(torch.tensor(input_ids, device=self.device), positions.to(self.device),
                             self.kv_caches, meta, self.attn, self.layer_ops, keep)

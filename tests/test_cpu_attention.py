@@ -117,6 +117,24 @@ def test_thread_counts_and_context_split(op, num_threads, lens):
         check(q, kc, vc, bt, sl, 0.125, op=op, num_threads=num_threads)
 
 
+@pytest.mark.parametrize("num_threads", [2, 3, 8])
+def test_a_rows_bits_do_not_depend_on_the_batch(op, num_threads):
+    """How a long context is split over threads depends on its own length and the thread count,
+    never on the rest of the batch: each row alone gives bitwise what it gives among others (long
+    ones split, short ones not, one sequence's consecutive rows grouped)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        q, kc, vc, bt, sl = make_inputs([3000, 10, 700, 1500, 1501, 300, 2049], 9, 3, 64, 16, dtype, seed=8)
+        bt[4] = bt[3]  # row 4: the position after row 3's, same sequence
+        sl[4] = sl[3] + 1
+        kc[bt[3, 1500 // 16], 1500 % 16] = kc[bt[3, 0], 0]  # a real K/V row for that position
+        vc[bt[3, 1500 // 16], 1500 % 16] = vc[bt[3, 0], 0]
+        batch = check(q, kc, vc, bt, sl, 0.125, op=op, num_threads=num_threads)
+        for i in range(len(sl)):
+            alone = torch.empty_like(q[i:i + 1])
+            op(q[i:i + 1], kc, vc, bt[i:i + 1], sl[i:i + 1], 0.125, alone, num_threads)
+            assert torch.equal(alone[0], batch[i]), f"row {i} ({int(sl[i])} tokens)"
+
+
 def test_many_sequences(op):
     """A larger batch of random lengths: the dynamic schedule over (sequence, kv head) items."""
     g = torch.Generator().manual_seed(5)
@@ -124,6 +142,46 @@ def test_many_sequences(op):
     q, kc, vc, bt, sl = make_inputs(lens, 9, 3, 64, 16, torch.bfloat16, seed=11)
     check(q, kc, vc, bt, sl, 0.125, op=op, num_threads=2)
     check(q, kc, vc, bt, sl, 0.125, op=op, num_threads=1)
+
+
+def speculative_rows(base_lens, k, bs, dtype, seed):
+    """A batch where each sequence of ``base_lens`` is 1 + k rows, as a speculative step verifies
+    its draft: its consecutive positions, lengths L .. L + k, the same block-table row."""
+    q, kc, vc, bt, sl = make_inputs([n + k for n in base_lens], 9, 3, 64, bs, dtype, seed=seed)
+    rows = torch.arange(len(base_lens)).repeat_interleave(k + 1)
+    lens = torch.tensor([n + j for n in base_lens for j in range(k + 1)], dtype=torch.int32)
+    q = (torch.randn(len(rows), 9, 64, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+    return q, kc, vc, bt[rows].contiguous(), lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_a_sequences_consecutive_rows_give_each_rows_own_bits(op, dtype, num_threads):
+    """A speculative step's rows (one sequence's consecutive positions, attended as one item that
+    reads the K/V once) give bitwise what each row gives in a batch where no rows group (the batch
+    reversed: lengths fall), and match the reference."""
+    q, kc, vc, bt, sl = speculative_rows([1, 30, 63, 64, 100, 200], 4, 16, dtype, seed=21)
+    grouped = check(q, kc, vc, bt, sl, 0.125, op=op, num_threads=num_threads)
+    rev = torch.arange(q.shape[0] - 1, -1, -1)
+    alone = torch.empty_like(q)
+    op(q[rev].contiguous(), kc, vc, bt[rev].contiguous(), sl[rev].contiguous(), 0.125, alone, num_threads)
+    assert torch.equal(grouped, alone[rev])
+
+
+def test_rows_that_only_look_like_one_sequence(op):
+    """Rows whose lengths rise by one but that are different sequences (other tables), or share only
+    a cached prefix, or differ inside the earlier row's blocks, or are long enough to be split: each
+    row still attends its own K/V."""
+    q, kc, vc, bt, _ = make_inputs([80, 80, 2502], 9, 3, 64, 16, torch.float32, seed=4)
+    s0, s1, s2 = bt[0].clone(), bt[1].clone(), bt[2].clone()
+    prefix = torch.cat([s0[:3], s1[3:]])  # sequence 0's first 3 blocks (48 tokens), then 1's
+    patched = s0.clone()
+    patched[1] = s1[1]  # differs from sequence 0 inside its first 60 tokens
+    tables = torch.stack([s0, s1, s0, prefix, s0, patched, s2, s2])
+    lens = torch.tensor([70, 71, 40, 41, 60, 61, 2500, 2501], dtype=torch.int32)
+    q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(9)) * 2
+    for threads in (1, 2, 3):
+        check(q, kc, vc, tables, lens, 0.125, op=op, num_threads=threads)
 
 
 def test_peaked_softmax():

@@ -1,15 +1,17 @@
 """Speculative decoding by prompt lookup: the proposer, the acceptance rule, how the scheduler and
-block manager carry drafts, and (bundled model, float32) that the engine's output with drafts is
-the output without them, stops and streaming included."""
+block manager carry drafts, and (bundled model, float32 and bf16) that the engine's output with
+drafts is the output without them, stops and streaming included."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine_service import LLM, SamplingParams
 from engine_service.config import EngineConfig
 from engine_service.scheduler import Scheduler
 from engine_service.sequence import Request, Sequence
 from engine_service.spec_decode import NgramIndex, NgramProposer, accept
+from tests.test_engine import _gemm_rows_depend_on_row_count, _multiply_in_fixed_row_slices
 from tests.test_scheduler import make_config
 
 
@@ -180,6 +182,31 @@ def test_output_with_drafts_equals_output_without(engines):
     sched = spec.llm_engine.scheduler
     assert sched.num_accepted_tokens > 0 and sched.num_draft_tokens >= sched.num_accepted_tokens
     sched.block_manager.check_invariants([])
+
+
+@pytest.mark.slow
+def test_bf16_output_with_drafts_equals_output_without_on_near_ties(bundled_dir, monkeypatch):
+    """Random-token prompts, whose greedy continuations in bf16 are full of near-ties (logits a
+    rounding apart): a verified draft position must compute what a decode step at that position
+    computes, bit for bit, or the two runs part at the first near-tie. Contexts stay under 256
+    tokens, where the decode kernel never splits a sequence; where this host's GEMM library rounds
+    a row differently at different row counts (oneDNN on AMX: the LM head), every linear layer
+    multiplies in fixed 8-row slices, as test_engine's pruned-layer test does."""
+    vocab = 49152  # the bundled model's vocabulary
+    g = torch.Generator().manual_seed(7)
+    prompts = [{"prompt_token_ids": torch.randint(100, vocab, (int(n),), generator=g).tolist()}
+               for n in torch.randint(16, 150, (16,), generator=g)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    common = dict(dtype="bfloat16", max_model_len=256, max_num_batched_tokens=512, seed=0)
+    runs = {}
+    for k in (0, 4):
+        llm = LLM(bundled_dir, num_speculative_tokens=k, **common)
+        if not k and _gemm_rows_depend_on_row_count(llm.llm_engine.runner.model, max_rows=96):
+            _multiply_in_fixed_row_slices(monkeypatch)
+        runs[k] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if k:
+            assert llm.llm_engine.scheduler.num_accepted_tokens > 0, "no draft was accepted"
+    assert runs[4] == runs[0]
 
 
 def _step_through(llm, prompt, params):

@@ -13,9 +13,12 @@
 // order). Online softmax (running max / sum), fp32 accumulators; bf16 uses vdpbf16ps for Q K^T and,
 // with P rounded to bf16, for P V. Blocks sit at random places, out of reach of the hardware
 // prefetchers, so each kv head's pass requests into L2 its part of the K and V rows a span or more
-// (~24 KB) ahead, one row per token of arithmetic. A sequence much longer than the average work per thread
-// (few sequences, or one long one among short ones) is split into block-aligned slices
-// (flash-decoding) whose partial results are merged at the end.
+// (~24 KB) ahead, one row per token of arithmetic. A context longer than a slice (2048 / threads
+// tokens, at least 256) is split into block-aligned slices (flash-decoding) whose partial results
+// are merged at the end; the slice size never depends on the batch, so neither does a row's
+// result. Consecutive rows that are one sequence's consecutive positions (a speculative step's
+// verified tokens) run as one item: each span's K/V rows are read from memory once for all of
+// them, and each row gets the bits it would get alone (group_rows, run_item).
 //
 // Prefill (q / out [T, H, D], head_dim contiguous, the chunks back to back; query_start_loc
 // [Bp + 1] and seq_lens [Bp] int32): query i of a chunk of length L in a sequence of length S sees
@@ -346,6 +349,7 @@ PAGODA_INLINE void prefetch_range_l2(const void* p, int bytes) {
 constexpr bool kPairChunks = PAGODA_AVX2;  // attend_span's P @ V: two 16-column chunks a walk
 constexpr int kSpan = 32;            // tokens per decode span (two 16-lane score vectors per head)
 constexpr int kMaxGroupHeads = 9;    // q heads per span call (kv heads x their q heads, see run_item)
+constexpr int kMaxGroupRows = 16;    // rows of one sequence attended by one item (run_item, group_rows)
 // 32-token spans halve the softmax work per token (8% faster from L2), but a span's parked scores and
 // K/V rows must fit L1 beside the rest: above kMaxSpanBytes the spans are 16 tokens (Llama-8B shapes:
 // 2 kv heads x 4 q heads a pass, 48 KB: 16-token spans 12-17% faster, DRAM-bound).
@@ -753,22 +757,32 @@ struct RowWalker {
   }
 };
 
-// Attend sequence b, kv heads [kh0, kh1), context tokens [t0, t1). Leaves the unnormalized
-// accumulators in S.acc / S.m / S.l for the (kh1 - kh0) * g query heads, in head order.
+// Attend rows b .. b + nr - 1, kv heads [kh0, kh1), context tokens [t0, t1 + r) for row b + r. nr > 1:
+// one sequence's consecutive positions (a speculative step's verified tokens, see group_rows),
+// whose block-table rows agree over the tokens they share: each span's K/V rows are read from
+// memory once, by the first row, and from cache by the others, and every row's arithmetic is what
+// an item of that row alone performs (the same spans, in the same order), so the same bits. Leaves
+// each row r's unnormalized accumulators in S[r].acc / S[r].m / S[r].l for the (kh1 - kh0) * g
+// query heads, in head order.
 template <typename T>
-void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int kh0, int kh1, int t0, int t1,
-              Scratch& S) {
+void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int nr, int kh0, int kh1, int t0,
+              int t1, Scratch* S) {
   const int D = P.D, g = P.g;
   const int nheads = (kh1 - kh0) * g;
-  const T* qb = q + (static_cast<int64_t>(b) * P.H + static_cast<int64_t>(kh0) * g) * D;
-  if constexpr (!acc_permuted<T>())
-    for (int i = 0; i < nheads * D; ++i) S.qf[i] = to_float(qb[i]);
-  const T* qraw = qb;  // queries in the storage type (for the bf16 dot-product path)
-  std::fill(S.acc.begin(), S.acc.begin() + static_cast<size_t>(nheads) * D, 0.f);
-  std::fill(S.m.begin(), S.m.begin() + nheads, kNegInf);
-  std::fill(S.lsum.begin(), S.lsum.begin() + nheads, vzero());
+  const T* qrows[kMaxGroupRows];
+  for (int r = 0; r < nr; ++r) {
+    const T* qb = q + (static_cast<int64_t>(b + r) * P.H + static_cast<int64_t>(kh0) * g) * D;
+    qrows[r] = qb;  // queries in the storage type (for the bf16 dot-product path)
+    if constexpr (!acc_permuted<T>())
+      for (int i = 0; i < nheads * D; ++i) S[r].qf[i] = to_float(qb[i]);
+    std::fill(S[r].acc.begin(), S[r].acc.begin() + static_cast<size_t>(nheads) * D, 0.f);
+    std::fill(S[r].m.begin(), S[r].m.begin() + nheads, kNegInf);
+    std::fill(S[r].lsum.begin(), S[r].lsum.begin() + nheads, vzero());
+  }
+  const int tlast = t1;
+  t1 += nr - 1;  // the last row's end: its block-table row covers every row's tokens
 
-  const int32_t* bt = P.block_tables + static_cast<int64_t>(b) * P.bt_stride;
+  const int32_t* bt = P.block_tables + static_cast<int64_t>(b + nr - 1) * P.bt_stride;
   const int nkv = kh1 - kh0;
   const int64_t elt = sizeof(T);
   // kv heads per span call: the scores of kvg x g heads x kSpan tokens wait in S.tmp for the
@@ -829,7 +843,6 @@ void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
       else
         kpf[t] = vpf[t] = nullptr;
     }
-    A.n = n;
     for (int kg = 0; kg < nkv; kg += kvg) {  // kv heads [kg, kg + A.nkv) of the item
       A.nkv = std::min(kvg, nkv - kg);
       A.krow = krow_g;
@@ -841,26 +854,60 @@ void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
         vpf_g[t] = vpf[t] ? static_cast<const T*>(vpf[t]) + kg * P.vs2 : nullptr;
       }
       A.pf_bytes = static_cast<int>(D * elt);  // a kv head's part of a row, prefetched by its pass
-      for (int j0 = 0; j0 < g; j0 += kMaxNH) {
-        const int nh = std::min(kMaxNH, g - j0);
-        A.kpf = j0 == 0 ? kpf_g : nullptr;  // one pass over the kv heads' rows prefetches them
-        A.vpf = j0 == 0 ? vpf_g : nullptr;
-        const size_t h = static_cast<size_t>(kg) * g + j0;
-        const SpanFn<T> fn = A.nkv == kMaxGroupHeads / nh ? fns_full[nh] : fns[nh];
-        fn(A, S.qf.data() + h * D, qraw + h * D, S.acc.data() + h * D, S.m.data() + h, S.lsum.data() + h,
-           S.tmp.data());
+      bool first = true;  // the first row attending this span prefetches for it
+      for (int r = 0; r < nr; ++r) {
+        A.n = std::min(span, tlast + r - ts);  // row r's tokens of the span
+        if (A.n <= 0) continue;
+        for (int j0 = 0; j0 < g; j0 += kMaxNH) {
+          const int nh = std::min(kMaxNH, g - j0);
+          A.kpf = first && j0 == 0 ? kpf_g : nullptr;  // one pass over the kv heads' rows prefetches them
+          A.vpf = first && j0 == 0 ? vpf_g : nullptr;
+          const size_t h = static_cast<size_t>(kg) * g + j0;
+          const SpanFn<T> fn = A.nkv == kMaxGroupHeads / nh ? fns_full[nh] : fns[nh];
+          fn(A, S[r].qf.data() + h * D, qrows[r] + h * D, S[r].acc.data() + h * D, S[r].m.data() + h,
+             S[r].lsum.data() + h, S[0].tmp.data());
+        }
+        first = false;
       }
     }
   }
-  for (int h = 0; h < nheads; ++h) S.l[h] = vreduce_add(S.lsum[h]);
+  for (int r = 0; r < nr; ++r)
+    for (int h = 0; h < nheads; ++h) S[r].l[h] = vreduce_add(S[r].lsum[h]);
 }
 
 // Work item: sequence b, kv heads [kh0, kh1), context tokens [t0, t1). sp < 0: the item covers the
 // whole sequence and writes the output directly; else it is slice sp of a split sequence and leaves
 // the unnormalized partials (acc, m, l) of each of its kv heads kh in slot part_base[b] + kh * splits[b] + sp.
+// nr > 1: rows b .. b + nr - 1 of one sequence, row b + r attending tokens [t0, t1 + r) (run_item).
 struct Item {
-  int b, kh0, kh1, t0, t1, sp;
+  int b, nr, kh0, kh1, t0, t1, sp;
 };
+
+// Rows run as one item (run_item): runs of consecutive rows that are one sequence's consecutive
+// positions (a speculative step's verified tokens), none split: each row one token longer than the
+// row before, its block-table row agreeing with the row before's over that row's blocks (so the
+// last row's table reaches every row's tokens). Returns, at each run's first row, the run's length
+// (at most kMaxGroupRows), and 0 at the rows inside a run. Rows that only look alike (two sequences
+// sharing a cached prefix) attend the same K/V either way: grouping changes the order of the work,
+// never a row's arithmetic.
+std::vector<int> group_rows(const Params& P, const std::vector<int>& splits) {
+  const int B = P.B, bs = P.block_size;
+  std::vector<int> group(B, 1);
+  auto joins = [&](int b) {  // row b continues row b - 1's sequence
+    const int len = P.seq_lens[b - 1];
+    if (len <= 0 || P.seq_lens[b] != len + 1 || splits[b - 1] > 1 || splits[b] > 1) return false;
+    const int32_t* prev = P.block_tables + static_cast<int64_t>(b - 1) * P.bt_stride;
+    const int32_t* cur = P.block_tables + static_cast<int64_t>(b) * P.bt_stride;
+    return std::equal(prev, prev + (len + bs - 1) / bs, cur);
+  };
+  for (int b = 0; b < B;) {
+    int e = b + 1;
+    while (e < B && e - b < kMaxGroupRows && joins(e)) group[e++] = 0;
+    group[b] = e - b;
+    b = e;
+  }
+  return group;
+}
 
 template <typename T>
 void write_out(const float* acc, const float* l, int nheads, int D, T* ob) {
@@ -879,13 +926,14 @@ void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, 
   // 2 x 4096, one thread): 1.17x the DRAM throughput of one item per kv head, which the kernel made
   // when there were fewer than 4 sequences per thread.
   const int hpi = kvh;  // kv heads per item
-  // A sequence much longer than the average work per item-thread (few sequences, or one long one
-  // among short ones) is split into block-aligned slices (flash-decoding), merged at the end.
-  int64_t total = 0;
-  for (int b = 0; b < B; ++b) total += std::max(0, P.seq_lens[b]);
-  total *= kvh;  // work in token x kv-head units
+  // A long context is split into block-aligned slices (flash-decoding) whose partial results are
+  // merged at the end, in slice order. The slice size depends on the thread count alone, never on
+  // the batch, so a row's result depends only on its own context: the same bits in any batch (with
+  // other requests or alone, among a speculative step's rows or in a plain decode). 2048 / threads
+  // tokens, at least 256: two threads split only contexts over 1024 tokens (never W's).
   constexpr int64_t kMinSliceTokens = 256;
-  const int64_t target = std::max(kMinSliceTokens * hpi, total / (4 * static_cast<int64_t>(nthreads)));
+  const int64_t per_slice =  // blocks a slice
+      (std::max<int64_t>(kMinSliceTokens, 2048 / std::max(1, nthreads)) + bs - 1) / bs;
   std::vector<int> splits(B, 1);
   std::vector<int64_t> part_base(B, -1);
   int64_t nparts = 0;
@@ -893,7 +941,7 @@ void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, 
     for (int b = 0; b < B; ++b) {
       const int64_t len = std::max(0, P.seq_lens[b]);
       const int64_t nblk = (len + bs - 1) / bs;
-      const int64_t s = std::min<int64_t>(nblk, (len * hpi + target - 1) / target);
+      const int64_t s = (nblk + per_slice - 1) / per_slice;
       if (s > 1) {
         splits[b] = static_cast<int>(s);
         part_base[b] = nparts;
@@ -901,20 +949,25 @@ void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, 
       }
     }
   }
+  const std::vector<int> group = group_rows(P, splits);
+  const int max_group = *std::max_element(group.begin(), group.end());
   // Longest items first (the dynamic schedule then balances the tail); a sequence's items adjacent.
-  std::vector<int> order(B);
-  for (int b = 0; b < B; ++b) order[b] = b;
+  std::vector<int> order;
+  order.reserve(B);
+  for (int b = 0; b < B; ++b)
+    if (group[b]) order.push_back(b);
   auto item_len = [&](int b) { return (std::max(0, P.seq_lens[b]) + splits[b] - 1) / splits[b]; };
-  if (B > 1) std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return item_len(x) > item_len(y); });
+  if (order.size() > 1)
+    std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return item_len(x) > item_len(y); });
   std::vector<Item> items;
   items.reserve(static_cast<size_t>(B) * (kvh / hpi) + nparts);
   for (int b : order) {
     const int len = std::max(0, P.seq_lens[b]);
     const int nblk = (len + bs - 1) / bs;
-    const int per = (nblk + splits[b] - 1) / splits[b];  // blocks per slice
+    const int per = splits[b] > 1 ? static_cast<int>(per_slice) : nblk;  // blocks per slice
     for (int sp = 0; sp < splits[b]; ++sp)
       for (int kh = 0; kh < kvh; kh += hpi)
-        items.push_back({b, kh, kh + hpi, std::min(len, sp * per * bs), std::min(len, (sp + 1) * per * bs),
+        items.push_back({b, group[b], kh, kh + hpi, std::min(len, sp * per * bs), std::min(len, (sp + 1) * per * bs),
                          splits[b] > 1 ? sp : -1});
   }
   std::vector<float> pacc(static_cast<size_t>(nparts) * g * D), pm(static_cast<size_t>(nparts) * g),
@@ -929,7 +982,8 @@ void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, 
   const int64_t nmerges = static_cast<int64_t>(merges.size());
 #pragma omp parallel num_threads(nthreads)
   {
-    Scratch S(P);
+    std::vector<Scratch> SS(max_group, Scratch(P));
+    Scratch& S = SS[0];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < nitems; ++i) {
       const Item& it = items[i];
@@ -940,12 +994,13 @@ void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, 
           for (int e = 0; e < nheads * D; ++e) from_float(0.f, ob + e);
           continue;
         }
-        run_item<T>(P, q, kc, vc, it.b, it.kh0, it.kh1, it.t0, it.t1, S);
-        write_out(S.acc.data(), S.l.data(), nheads, D, ob);
+        run_item<T>(P, q, kc, vc, it.b, it.nr, it.kh0, it.kh1, it.t0, it.t1, SS.data());
+        for (int r = 0; r < it.nr; ++r)
+          write_out(SS[r].acc.data(), SS[r].l.data(), nheads, D, ob + static_cast<int64_t>(r) * P.H * D);
         continue;
       }
       const bool empty = it.t1 <= it.t0;  // a trailing slice left empty by the rounding to blocks
-      if (!empty) run_item<T>(P, q, kc, vc, it.b, it.kh0, it.kh1, it.t0, it.t1, S);
+      if (!empty) run_item<T>(P, q, kc, vc, it.b, 1, it.kh0, it.kh1, it.t0, it.t1, &S);
       for (int kh = it.kh0; kh < it.kh1; ++kh) {
         const size_t slot = static_cast<size_t>(part_base[it.b] + static_cast<int64_t>(kh) * splits[it.b] + it.sp);
         const size_t h0 = static_cast<size_t>(kh - it.kh0) * g;
