@@ -42,6 +42,7 @@ def main() -> int:
 
     import engine_service.models.llama as llama
     from engine_service import LLM, SamplingParams
+    from pagoda_kernels.layer_ops import GEMM_BLOCK_N
 
     requests = load_workload("W")[:args.requests]
     engine = LLM(dtype=args.dtype, max_num_seqs=256).llm_engine
@@ -69,13 +70,14 @@ def main() -> int:
     linear = llama.linear
     llama.linear = lambda x, weight, bias=None, packed=False: timed_gemm(
         lambda: linear(x, weight, bias, packed), x, lambda y: (y.shape[-1], x.shape[-1]))
-    # Pagoda's own bf16 GEMMs (CPUs with AVX512-BF16 or AMX), plain and fused, keyed by their weight's
-    # N x K as the oneDNN ones are: the packed weight is [N / 64, K / 2, 64, 2].
+    # Pagoda's own GEMMs (bf16 on CPUs with AVX512-BF16 or AMX, float32 on CPUs with AVX2 and FMA),
+    # plain and fused, keyed by their weight's N x K as the oneDNN ones are: the packed weight is
+    # [N / 64, ...] in either layout.
     ops = engine.runner.layer_ops
     for name in ("gemm_linear", "gemm_linear_silu_mul", "gemm_linear_rotary_qkv_to_cache"):
         if hasattr(ops, name):
             setattr(ops, name, lambda x, packed, *a, _fn=getattr(ops, name), **k: timed_gemm(
-                lambda: _fn(x, packed, *a, **k), x, lambda y: (packed.shape[0] * packed.shape[2], x.shape[-1])))
+                lambda: _fn(x, packed, *a, **k), x, lambda y: (packed.shape[0] * GEMM_BLOCK_N, x.shape[-1])))
     attn = engine.runner.attn
     for name in ("decode", "write_kv"):
         fn = getattr(attn, name)
