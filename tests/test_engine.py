@@ -283,7 +283,7 @@ def test_last_layer_on_sampled_rows_only_gives_the_same_logits(tiny_llama_dir, b
                                                                dtype, monkeypatch):
     """The last layer runs attention, o_proj and MLP only on the rows that are sampled: every
     step's logits are bitwise those of the full last layer, with chunked prefill, decodes, forks
-    (n = 2) and speculative chunks in the same steps.
+    (n = 2) and speculative decodes in the same steps.
 
     Where this host's GEMM library rounds a row differently at different row counts (oneDNN on
     AMX, see ``_gemm_rows_depend_on_row_count``), no two batchings are bitwise comparable; there
@@ -303,7 +303,7 @@ def test_last_layer_on_sampled_rows_only_gives_the_same_logits(tiny_llama_dir, b
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), f"step {i}: logits differ"
-    assert llm.llm_engine.scheduler.num_accepted_tokens > 0, "no speculative chunk was verified"
+    assert llm.llm_engine.scheduler.num_accepted_tokens > 0, "no speculative draft was verified"
 
 
 _F32_GEMM = {"cpu_f32_gemm": True}
@@ -319,7 +319,7 @@ def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir
                                                                   dtype, forced):
     """On CPU the decoder layers run in one C++ call a step (``LlamaForCausalLM.layer_stack``,
     ``CpuLayerOps.decoder_layers``): every step's logits are bitwise those of the Python layers,
-    in steps mixing chunked prefill, decodes, speculative chunks, GEMM padding rows and the pruned
+    in steps mixing chunked prefill, decodes, speculative decodes, GEMM padding rows and the pruned
     last layer. Tiny float32 takes the host's default (our float32 GEMMs where the CPU has AVX2 and
     FMA, else oneDNN), bfloat16 the host's default too: our bf16 GEMMs (tiny: head_dim 16, QKV then
     rotary; bundled: the fused QKV + rotary), or where the CPU has no bf16 dot products float32

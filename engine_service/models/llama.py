@@ -138,8 +138,8 @@ def _rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor
 @dataclass
 class KeptRows:
     """The rows of a step whose final hidden state is needed (the sampled ones), for the last
-    layer: ``rows`` ascending, every decode row first (the decode kernel takes them all), then for
-    each prefill chunk a suffix of its rows (its last row, or all of a speculative chunk's);
+    layer: ``rows`` ascending, every decode row first (the decode kernel takes them all, a
+    speculative decode's positions included), then each sampled prefill chunk's last row;
     ``index``: ``rows`` padded to the GEMM row multiple; ``meta``: the attention metadata of
     those rows alone (the kept suffixes as the chunks, chunks with none dropped)."""
 
