@@ -147,7 +147,7 @@ def test_many_sequences(op):
 def speculative_rows(base_lens, k, bs, dtype, seed):
     """A batch where each sequence of ``base_lens`` is 1 + k rows, as a speculative step verifies
     its draft: its consecutive positions, lengths L .. L + k, the same block-table row."""
-    q, kc, vc, bt, sl = make_inputs([n + k for n in base_lens], 9, 3, 64, bs, dtype, seed=seed)
+    _, kc, vc, bt, _ = make_inputs([n + k for n in base_lens], 9, 3, 64, bs, dtype, seed=seed)
     rows = torch.arange(len(base_lens)).repeat_interleave(k + 1)
     lens = torch.tensor([n + j for n in base_lens for j in range(k + 1)], dtype=torch.int32)
     q = (torch.randn(len(rows), 9, 64, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)

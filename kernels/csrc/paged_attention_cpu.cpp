@@ -779,7 +779,7 @@ void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
     std::fill(S[r].m.begin(), S[r].m.begin() + nheads, kNegInf);
     std::fill(S[r].lsum.begin(), S[r].lsum.begin() + nheads, vzero());
   }
-  const int tlast = t1;
+  const int t1_first = t1;  // row 0's end; row r ends at t1_first + r
   t1 += nr - 1;  // the last row's end: its block-table row covers every row's tokens
 
   const int32_t* bt = P.block_tables + static_cast<int64_t>(b + nr - 1) * P.bt_stride;
@@ -856,7 +856,7 @@ void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
       A.pf_bytes = static_cast<int>(D * elt);  // a kv head's part of a row, prefetched by its pass
       bool first = true;  // the first row attending this span prefetches for it
       for (int r = 0; r < nr; ++r) {
-        A.n = std::min(span, tlast + r - ts);  // row r's tokens of the span
+        A.n = std::min(span, t1_first + r - ts);  // row r's tokens of the span
         if (A.n <= 0) continue;
         for (int j0 = 0; j0 < g; j0 += kMaxNH) {
           const int nh = std::min(kMaxNH, g - j0);
