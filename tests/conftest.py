@@ -10,10 +10,15 @@ import torch
 
 @pytest.fixture(scope="session")
 def bundled_dir() -> str:
-    """The bundled SmolLM2-135M-Instruct as a HF directory (converted once, then cached)."""
+    """The bundled SmolLM2-135M-Instruct as a HF directory (converted once, then cached).
+
+    ``PAGODA_TEST_MODEL_DIR`` names another HF directory instead, for a machine where the bundled
+    package cannot be installed (a lent GPU machine with no package registry: bench/gpu_check.sh
+    points it at a random-weight model of SmolLM2's shape with its tokenizer).
+    """
     from engine_service.model_loader import resolve_model_dir
 
-    return resolve_model_dir("bundled")
+    return resolve_model_dir(os.environ.get("PAGODA_TEST_MODEL_DIR") or "bundled")
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ def _cache_kwarg(model) -> str:
 def hf_greedy_with_logits(model, prompt_ids: list[int], max_new: int) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy decoding of one prompt with the model's own KV cache: the tokens and each step's fp32 logits."""
     name = _cache_kwarg(model)
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     cache, out, logits = None, [], []
     with torch.no_grad():
         for _ in range(max_new):
@@ -25,7 +25,7 @@ def hf_greedy_with_logits(model, prompt_ids: list[int], max_new: int) -> tuple[l
             nxt = int(step_logits.argmax())
             out.append(nxt)
             logits.append(step_logits)
-            ids = torch.tensor([[nxt]])
+            ids = torch.tensor([[nxt]], device=model.device)
     return out, logits
 
 
