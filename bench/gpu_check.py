@@ -137,31 +137,10 @@ def identity(model_dir: str, dtypes: list[str], device: str, max_new: int) -> in
     return 1 if bad else 0
 
 
-@torch.inference_mode()
-def hf_static(model, requests, batch_size: int, device: str) -> dict:
-    torch.cuda.synchronize() if device == "cuda" else None
-    t0 = time.perf_counter()
-    total = 0
-    for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
-        longest = max(len(r["prompt_token_ids"]) for r in batch)
-        ids = torch.zeros(len(batch), longest, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, r in enumerate(batch):  # left padding
-            p = r["prompt_token_ids"]
-            ids[row, longest - len(p):] = torch.tensor(p)
-            mask[row, longest - len(p):] = 1
-        m = max(r["max_tokens"] for r in batch)
-        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=m, min_new_tokens=m,
-                       do_sample=False, pad_token_id=0)
-        total += sum(r["max_tokens"] for r in batch)
-    torch.cuda.synchronize() if device == "cuda" else None
-    return {"elapsed": time.perf_counter() - t0, "output_tokens": total}
-
-
 def throughput(model_dir: str, dtype: str, device: str, workload: str, profile_out: str | None,
                hf_batches: list[int]) -> None:
     from engine_runner import load_workload
+    from throughput import run_hf_static
     from transformers import AutoModelForCausalLM
 
     requests = load_workload(workload)
@@ -180,9 +159,9 @@ def throughput(model_dir: str, dtype: str, device: str, workload: str, profile_o
         gc.collect()
         torch.cuda.empty_cache() if device == "cuda" else None
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
-    hf_static(hf, requests[:2], 2, device)  # warm-up
+    run_hf_static(hf, requests[:2], 2)  # warm-up (generate syncs every step: its timings hold on a GPU)
     for bs in hf_batches:
-        res = hf_static(hf, requests, bs, device)
+        res = run_hf_static(hf, requests, bs)
         res["engine"] = f"transformers static batches of {bs} ({hf.config._attn_implementation})"
         rows.append(res)
         print(json.dumps(res), flush=True)

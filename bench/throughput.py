@@ -104,7 +104,8 @@ def run_hf_static(model, requests, batch_size: int = 32) -> dict:
             ids[row, longest - len(p):] = torch.tensor(p)
             mask[row, longest - len(p):] = 1
         m = max(r["max_tokens"] for r in batch)
-        model.generate(ids, attention_mask=mask, max_new_tokens=m, min_new_tokens=m, do_sample=False, pad_token_id=0)
+        model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=m,
+                       min_new_tokens=m, do_sample=False, pad_token_id=0)
         total += sum(r["max_tokens"] for r in batch)
     return {"elapsed": time.perf_counter() - t0, "output_tokens": total}
 
