@@ -157,8 +157,12 @@ class ModelRunner:
         # Decodes first, then prefill chunks. A decode with a speculative draft is 1 + len(draft)
         # decode rows, one per position (consecutive), each attending as a plain decode of that
         # position would: the decode kernel runs them as one item that reads the context once, and
-        # gives each the bits a decode step at that position gives.
-        is_decode = [n == 1 or bool(s.spec_token_ids) for s, n in zip(out.seqs, out.num_new_tokens)]
+        # gives each the bits a decode step at that position gives. A one-token chunk of a prompt
+        # (the chunking or a prefix-cache hit left one token) stays a prefill chunk: the decode
+        # kernel's bits differ from the prefill kernel's, and a prompt's rows must not depend on
+        # how it was chunked.
+        is_decode = [bool(s.spec_token_ids) or (n == 1 and s.num_output_tokens > 0)
+                     for s, n in zip(out.seqs, out.num_new_tokens)]
         order = sorted(range(len(out.seqs)), key=lambda i: not is_decode[i])
         seqs = [out.seqs[i] for i in order]
         num_new = [out.num_new_tokens[i] for i in order]

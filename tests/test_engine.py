@@ -306,6 +306,32 @@ def test_last_layer_on_sampled_rows_only_gives_the_same_logits(tiny_llama_dir, b
     assert llm.llm_engine.scheduler.num_accepted_tokens > 0, "no speculative draft was verified"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompts_one_token_last_chunk_gives_the_unchunked_bits(tiny_llama_dir, dtype, monkeypatch):
+    """A prompt's rows go through the prefill kernel however the prompt is chunked. A last chunk
+    of one token (the step budget left one, or a prefix-cache hit covered all but one) must give
+    the bits the whole prompt in one chunk gives: the decode kernel's roundings differ from the
+    prefill kernel's, and in bf16 that flips near-ties (bench/RESULTS.md, thirty-third session)."""
+    prompt = [(37 * j) % 40000 + 100 for j in range(129)]  # 2 blocks of 64 + 1 token
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    opts = dict(dtype=dtype, max_model_len=256, block_size=64, seed=0)
+
+    def run(llm):
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        return out.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]
+
+    whole_llm = LLM(tiny_llama_dir, max_num_batched_tokens=256, **opts)
+    if _gemm_rows_depend_on_row_count(whole_llm.llm_engine.runner.model, max_rows=136):
+        _multiply_in_fixed_row_slices(monkeypatch)
+    whole = run(whole_llm)
+    # The same prompt again: its two full blocks come from the prefix cache, one token is left.
+    cached = run(whole_llm)
+    assert whole_llm.llm_engine.scheduler.block_manager.prefix_hits == 128
+    chunked = run(LLM(tiny_llama_dir, max_num_batched_tokens=64, enable_prefix_caching=False, **opts))  # 64 + 64 + 1
+    assert chunked == whole
+    assert cached == whole
+
+
 _F32_GEMM = {"cpu_f32_gemm": True}
 _BF16_ON_F32_GEMM = {"cpu_f32_gemm": True, "matmul_dtype": "float32"}
 
