@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The engine's GPU checks in one call on a lent CUDA machine (bench/gpu_check.py says what each does).
-# Run from the repository root there, with what it needs carried beside the tree:
+# Run from the repository root there, with what it needs carried beside the tree (bench/gpu_prepare.sh
+# makes both folders here):
 #   .gpu/like/      config, generation config and tokenizer of the converted bundled model
 #   .gpu/workload.py  a copy of ../shared/bench/workload.py
 #   .whl/           wheels of packages that machine's image lacks (structlog; transformers if older than 5)
