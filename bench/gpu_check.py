@@ -5,7 +5,7 @@
     python bench/gpu_check.py throughput DIR [--dtype bfloat16] [--profile-out FILE]
     python bench/gpu_check.py steps DIR [--budgets 2048 8192] [--out-dir DIR]
 
-bench/gpu_check.sh runs all three on a lent GPU machine, where the bundled GGUF cannot travel (it is
+bench/gpu_check.sh runs them all on a lent GPU machine, where the bundled GGUF cannot travel (it is
 larger than what a call carries): ``model`` writes a random-weight model with SmolLM2-135M's config
 and tokenizer (copied from ``--like``, the converted bundled directory). Weights are drawn wider
 than the default initializer so greedy decoding has few near-ties; the cost of a step does not
@@ -44,6 +44,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_device_memory(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def make_model(out_dir: str, like: str, std: float, layers: int | None) -> None:
     from transformers import AutoConfig, LlamaForCausalLM
 
@@ -80,7 +91,7 @@ SETUPS = {
 }
 
 
-def identity_setup(model_dir, device, dtype, name, opts, prompts, ref, max_new, first) -> dict:
+def identity_setup(model_dir, device, dtype, name, opts, prompts, ref, max_new) -> dict:
     from engine_service import LLM, SamplingParams
 
     llm = LLM(model_dir, device=device, dtype=dtype, kv_cache_memory_bytes=2 << 30, **opts)
@@ -95,9 +106,7 @@ def identity_setup(model_dir, device, dtype, name, opts, prompts, ref, max_new, 
         lg = logits[t]
         diverged.append({"prompt": i, "len": len(prompts[i]), "step": t,
                          "margin": round(float(lg[want[t]] - lg[have[t]]), 5), "logit_std": round(float(lg.std()), 3)})
-    first = got if first is None else first
     return {"dtype": dtype, "setup": name, "identical": f"{len(prompts) - len(diverged)}/{len(prompts)}",
-            "same_as_together": sum(a == b for a, b in zip(got, first)),
             "preemptions": llm.llm_engine.scheduler.num_preemptions, "attention": llm.llm_engine.runner.attn.name,
             "diverged": diverged, "tokens": got}
 
@@ -120,20 +129,19 @@ def identity(model_dir: str, dtypes: list[str], device: str, max_new: int) -> in
         first = None
         for name, opts in SETUPS.items():
             try:
-                row = identity_setup(model_dir, device, dtype, name, opts, prompts, ref, max_new, first)
+                row = identity_setup(model_dir, device, dtype, name, opts, prompts, ref, max_new)
             except Exception as e:  # report and go on: the other set-ups still tell something
-                row = {"dtype": dtype, "setup": name, "error": repr(e)[:500]}
+                print(json.dumps({"dtype": dtype, "setup": name, "error": repr(e)[:500]}), flush=True)
                 bad += len(prompts)
-            tokens = row.pop("tokens", None)
-            print(json.dumps(row), flush=True)
-            if "error" in row:
                 continue
+            tokens = row.pop("tokens")
             first = tokens if first is None else first
+            row["same_as_together"] = sum(a == b for a, b in zip(tokens, first))
+            print(json.dumps(row), flush=True)
             if dtype == "float32":
                 bad += len(row["diverged"])
             bad += len(prompts) - row["same_as_together"]  # batching must not change greedy tokens
-            gc.collect()
-            torch.cuda.empty_cache() if device == "cuda" else None
+            free_device_memory(device)
     return 1 if bad else 0
 
 
@@ -156,8 +164,7 @@ def throughput(model_dir: str, dtype: str, device: str, workload: str, profile_o
             continue
         rows.append(res)
         print(json.dumps(res), flush=True)
-        gc.collect()
-        torch.cuda.empty_cache() if device == "cuda" else None
+        free_device_memory(device)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     run_hf_static(hf, requests[:2], 2)  # warm-up (generate syncs every step: its timings hold on a GPU)
     for bs in hf_batches:
@@ -210,12 +217,12 @@ def profile_steps(engine, requests, path: str, device: str, steps: int = 20) -> 
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    torch.cuda.synchronize() if device == "cuda" else None
+    sync(device)
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
         for _ in range(steps):
             engine.step()
-        torch.cuda.synchronize() if device == "cuda" else None
+        sync(device)
     wall = time.perf_counter() - t0
     events = prof.key_averages()
     # Kernels only: an op's row repeats its kernels' device time.
@@ -282,8 +289,7 @@ def step_times(model_dir: str, dtype: str, device: str, workload: str, budgets: 
             st = pstats.Stats(prof)
             st.sort_stats("tottime").print_stats(15)
         del llm, engine, add  # add holds the engine: its KV pool must go before the next one
-        gc.collect()
-        torch.cuda.empty_cache() if device == "cuda" else None
+        free_device_memory(device)
 
 
 def main() -> int:
