@@ -107,7 +107,8 @@ def time_interleaved(fns, caches, reps, stat="median", warmup=2):
 
 
 def load_cpu_baseline(path):
-    """Build an older paged_attention_cpu.cpp as its own extension, ops under torch.ops.pagoda_cpu_baseline."""
+    """Build an older paged_attention_cpu.cpp, or a whole kernels/csrc directory (every .cpp in it),
+    as its own extension: ops under torch.ops.pagoda_cpu_baseline."""
     import hashlib
     from pathlib import Path
 
@@ -115,17 +116,26 @@ def load_cpu_baseline(path):
 
     from pagoda_kernels.cpu_attention import _CFLAGS, _CSRC, _LDFLAGS, _cache_root, _ensure_ninja_on_path
 
-    src = Path(path).read_text()
-    assert "TORCH_LIBRARY(pagoda_cpu," in src, f"{path}: no TORCH_LIBRARY(pagoda_cpu, ...) block"
-    src = src.replace("TORCH_LIBRARY(pagoda_cpu,", "TORCH_LIBRARY(pagoda_cpu_baseline,")
-    tag = hashlib.sha1((src + " ".join(_CFLAGS) + sys.prefix).encode()).hexdigest()[:12]
+    path = Path(path)
+    files = sorted(path.glob("*.cpp")) if path.is_dir() else [path]
+    texts = {}
+    for f in files:
+        text = f.read_text()
+        for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT"):
+            text = text.replace(f"{macro}(pagoda_cpu,", f"{macro}(pagoda_cpu_baseline,")
+        texts["baseline.cpp" if len(files) == 1 else f.name] = text
+    assert any("TORCH_LIBRARY(pagoda_cpu_baseline," in t for t in texts.values()), \
+        f"{path}: no TORCH_LIBRARY(pagoda_cpu, ...) block"
+    tag = hashlib.sha1(("".join(texts.values()) + " ".join(_CFLAGS) + sys.prefix).encode()).hexdigest()[:12]
     build_dir = _cache_root() / "torch_extensions" / f"pagoda_cpu_baseline-{tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    (build_dir / "baseline.cpp").write_text(src)
+    for name, text in texts.items():
+        (build_dir / name).write_text(text)
     _ensure_ninja_on_path()
-    load(name=f"pagoda_cpu_baseline_{tag}", sources=[str(build_dir / "baseline.cpp")], extra_cflags=_CFLAGS,
-         extra_ldflags=_LDFLAGS, extra_include_paths=[str(_CSRC)],  # its headers (pagoda_cpu.h)
-         build_directory=str(build_dir), is_python_module=False)
+    headers = path if path.is_dir() else _CSRC  # pagoda_cpu.h
+    load(name=f"pagoda_cpu_baseline_{tag}", sources=[str(build_dir / n) for n in texts], extra_cflags=_CFLAGS,
+         extra_ldflags=_LDFLAGS, extra_include_paths=[str(headers)], build_directory=str(build_dir),
+         is_python_module=False)
     return torch.ops.pagoda_cpu_baseline
 
 

@@ -20,7 +20,6 @@ gave 0.993-0.995x over W on the AMX host (bench/RESULTS.md, thirty-fourth sessio
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import time
 from pathlib import Path
@@ -29,35 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from decode_kernel_ab import load_cpu_baseline  # noqa: E402
 from engine_runner import drive, load_workload, pagoda_adder, warm_up_pagoda  # noqa: E402
-
-
-def load_baseline(csrc: Path):
-    """OLD_CSRC's .cpp files built as one extension whose ops are torch.ops.pagoda_cpu_baseline."""
-    import torch
-    from torch.utils.cpp_extension import load
-
-    from pagoda_kernels.cpu_attention import _CFLAGS, _LDFLAGS, _cache_root, _ensure_ninja_on_path
-
-    sources = sorted(csrc.glob("*.cpp"))
-    if not sources:
-        raise SystemExit(f"{csrc}: no .cpp files")
-    texts = {}
-    for p in sources:
-        text = p.read_text()
-        for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT"):
-            text = text.replace(f"{macro}(pagoda_cpu,", f"{macro}(pagoda_cpu_baseline,")
-        texts[p.name] = text
-    tag = hashlib.sha1(("".join(texts.values()) + " ".join(_CFLAGS) + sys.prefix).encode()).hexdigest()[:12]
-    build_dir = _cache_root() / "torch_extensions" / f"pagoda_cpu_baseline_layers-{tag}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in texts.items():
-        (build_dir / name).write_text(text)
-    _ensure_ninja_on_path()
-    load(name=f"pagoda_cpu_baseline_layers_{tag}", sources=[str(build_dir / n) for n in texts],
-         extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, extra_include_paths=[str(csrc)],
-         build_directory=str(build_dir), is_python_module=False)
-    return torch.ops.pagoda_cpu_baseline.decoder_layers.default
 
 
 def main() -> int:
@@ -71,14 +43,13 @@ def main() -> int:
 
     from engine_service import LLM
 
-    old_op = load_baseline(Path(args.old))
+    old_op = load_cpu_baseline(args.old).decoder_layers.default
     engine = LLM(dtype=args.dtype).llm_engine
     ops = engine.runner.layer_ops
     if not getattr(ops, "runs_decoder_layers", False) or engine.runner.model.layer_stack is None:
         ap.error("this engine does not run its decoder layers in one C++ call")
     new_op = ops._decoder_layers
-    totals = {("new", kind): 0.0 for kind in ("decode", "prefill")}
-    totals.update({("old", kind): 0.0 for kind in ("decode", "prefill")})
+    totals = {(name, kind): 0.0 for name in ("new", "old") for kind in ("decode", "prefill")}
     state = {"calls": 0, "mismatches": 0, "decode": 0, "prefill": 0}
 
     def paired(h, residual, *rest):
