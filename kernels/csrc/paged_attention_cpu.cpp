@@ -1042,14 +1042,13 @@ void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, 
   }
 }
 
-void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                            at::Tensor& out, int64_t num_threads) {
+// What both entry points require of the caches and of the step's tables (q [., H, D] is checked by
+// each for its own layout); the block ids themselves are checked by check_block_ids.
+void check_paged_inputs(const char* name, const at::Tensor& q, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens) {
   TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(),
-              "paged_decode_attention: CPU tensors expected");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, H, D] tensor");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
-              "out must be contiguous, with q's shape and dtype");
+              name, ": CPU tensors expected");
+  TORCH_CHECK(q.dim() == 3, name, ": q must be 3-d, got ", q.sizes());
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "key_cache / value_cache must be [num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(key_cache.scalar_type() == q.scalar_type() && value_cache.scalar_type() == q.scalar_type(),
@@ -1059,12 +1058,42 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
               "block_tables must be [B, max_blocks] int32 with contiguous rows");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
               "seq_lens must be a contiguous [B] int32 tensor");
+  const int64_t H = q.size(1), D = q.size(2), kvh = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == D, "head_dim mismatch between q and the cache");
+  TORCH_CHECK(D % kTile == 0, "head_dim must be a multiple of ", kTile, ", got ", D);
+  TORCH_CHECK(kvh > 0 && H % kvh == 0, "num q heads (", H, ") must be a multiple of num kv heads (", kvh, ")");
+  TORCH_CHECK(block_tables.size(0) == seq_lens.size(0), "block_tables / seq_lens batch mismatch");
+}
+
+// Every block id the kernels will read: sequence b's first ceil(seq_lens[b] / block_size) entries of
+// its block-table row (cheap: B * blocks-per-sequence compares).
+void check_block_ids(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                     int64_t num_blocks) {
+  const int64_t B = seq_lens.size(0), max_blocks = block_tables.size(1), stride = block_tables.stride(0);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = lens[b];
+    TORCH_CHECK(len >= 0 && len <= max_blocks * block_size, "seq_lens[", b, "] = ", len,
+                " out of range for a block table of ", max_blocks, " blocks of ", block_size);
+    const int32_t* row = bt + b * stride;
+    for (int64_t i = 0; i < (len + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(row[i] >= 0 && row[i] < num_blocks, "block_tables[", b, ", ", i, "] = ", row[i],
+                  " out of range [0, ", num_blocks, ")");
+  }
+}
+
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                            at::Tensor& out, int64_t num_threads) {
+  check_paged_inputs("paged_decode_attention", q, key_cache, value_cache, block_tables, seq_lens);
+  TORCH_CHECK(q.is_contiguous(), "q must be a contiguous [B, H, D] tensor");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "out must be contiguous, with q's shape and dtype");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = key_cache.size(0), bs = key_cache.size(1), kvh = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == D, "head_dim mismatch between q and the cache");
-  TORCH_CHECK(D % kTile == 0, "head_dim must be a multiple of 16, got ", D);
-  TORCH_CHECK(kvh > 0 && H % kvh == 0, "num q heads (", H, ") must be a multiple of num kv heads (", kvh, ")");
-  TORCH_CHECK(block_tables.size(0) == B && seq_lens.size(0) == B, "block_tables / seq_lens batch mismatch");
+  TORCH_CHECK(seq_lens.size(0) == B, "block_tables / seq_lens batch mismatch");
+  check_block_ids(block_tables, seq_lens, bs, num_blocks);
   if (B == 0) return;
 
   Params P;
@@ -1086,16 +1115,6 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
   P.seq_lens = seq_lens.data_ptr<int32_t>();
   P.qscale = static_cast<float>(scale) * kLog2e;
 
-  // Validate every block id the kernel will read (cheap: B * blocks-per-sequence compares).
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t len = P.seq_lens[b];
-    TORCH_CHECK(len >= 0 && len <= static_cast<int64_t>(P.max_blocks) * bs, "seq_lens[", b, "] = ", len,
-                " out of range for a block table of ", P.max_blocks, " blocks of ", bs);
-    const int32_t* row = P.block_tables + b * P.bt_stride;
-    for (int64_t i = 0; i < (len + bs - 1) / bs; ++i)
-      TORCH_CHECK(row[i] >= 0 && row[i] < num_blocks, "block_tables[", b, ", ", i, "] = ", row[i],
-                  " out of range [0, ", num_blocks, ")");
-  }
 
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
   switch (q.scalar_type()) {
@@ -1856,48 +1875,28 @@ bool prefill_supported(at::ScalarType dtype) {
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                              const at::Tensor& seq_lens, double scale, at::Tensor& out, int64_t num_threads) {
-  TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(),
-              "paged_prefill_attention: CPU tensors expected");
+  check_paged_inputs("paged_prefill_attention", q, key_cache, value_cache, block_tables, seq_lens);
   TORCH_CHECK(prefill_supported(q.scalar_type()), "paged_prefill_attention: dtype ", q.scalar_type(),
               " not supported on this CPU build");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with head_dim contiguous");
+  TORCH_CHECK(q.stride(2) == 1, "q must be [T, H, D] with head_dim contiguous");
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.scalar_type() == q.scalar_type(),
               "out must have q's shape and dtype, head_dim contiguous");
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
-              "key_cache / value_cache must be [num_blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(key_cache.scalar_type() == q.scalar_type() && value_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must have the same dtype");
-  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "cache head_dim must be contiguous");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
-              "block_tables must be [B, max_blocks] int32 with contiguous rows");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
-              "seq_lens must be a contiguous [B] int32 tensor");
   TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kInt &&
                   query_start_loc.is_contiguous() && query_start_loc.size(0) == seq_lens.size(0) + 1,
               "query_start_loc must be a contiguous [B + 1] int32 tensor");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t B = seq_lens.size(0);
   const int64_t num_blocks = key_cache.size(0), bs = key_cache.size(1), kvh = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == D, "head_dim mismatch between q and the cache");
-  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16, got ", D);
-  TORCH_CHECK(kvh > 0 && H % kvh == 0, "num q heads (", H, ") must be a multiple of num kv heads (", kvh, ")");
-  TORCH_CHECK(block_tables.size(0) == B, "block_tables / seq_lens batch mismatch");
   const int32_t* qs = query_start_loc.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int32_t* btp = block_tables.data_ptr<int32_t>();
   TORCH_CHECK(qs[0] == 0 && qs[B] == T, "query_start_loc must run from 0 to the number of query tokens");
-  const int64_t max_blocks = block_tables.size(1);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t qlen = qs[b + 1] - qs[b], len = sl[b];
     TORCH_CHECK(qlen >= 0 && len >= qlen, "sequence ", b, ": query length ", qlen, " and seq_len ", len,
                 " are inconsistent");
-    TORCH_CHECK(len <= max_blocks * bs, "seq_lens[", b, "] = ", len, " out of range for a block table of ",
-                max_blocks, " blocks of ", bs);
-    const int32_t* row = btp + b * block_tables.stride(0);
-    for (int64_t i = 0; i < (len + bs - 1) / bs; ++i)
-      TORCH_CHECK(row[i] >= 0 && row[i] < num_blocks, "block_tables[", b, ", ", i, "] = ", row[i],
-                  " out of range [0, ", num_blocks, ")");
   }
+  check_block_ids(block_tables, seq_lens, bs, num_blocks);
   if (T == 0) return;
 #if PAGODA_AVX512 || PAGODA_AVX2
   PrefillParams P;
