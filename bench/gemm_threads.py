@@ -23,11 +23,13 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import engine_service  # noqa: E402,F401  (torch's buffers on huge pages, as in the engine: before any allocation)
+# fp32_linear_ab imports engine_service, which puts torch's buffers on huge pages as in the engine
+# (before any allocation); its SHAPES are the bundled model's weight shapes.
+from fp32_linear_ab import SHAPES as ALL_SHAPES  # noqa: E402
 
-# SmolLM2-135M: hidden 576, QKV 960, intermediate 1536 (gate + up 3072).
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+SHAPES = {name: ALL_SHAPES[name] for name in ("qkv", "o", "gate_up", "down")}  # the decoder layers' GEMMs
 
 FMA_SOURCE = r"""
 #include <torch/extension.h>
@@ -107,7 +109,6 @@ def main() -> None:
             rate = {t: flops / best[t] / 1e9 for t in threads}
             print(f"| {rows} | {name} {n}x{k} | {rate[1]:.1f} | {100 * rate[1] / peak[1]:.0f}% | {rate[2]:.1f} | "
                   f"{100 * rate[2] / peak[2]:.0f}% | {rate[2] / rate[1]:.2f} |", flush=True)
-    torch.set_num_threads(max(threads))
 
 
 if __name__ == "__main__":

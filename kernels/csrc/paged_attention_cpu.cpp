@@ -1115,7 +1115,6 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
   P.seq_lens = seq_lens.data_ptr<int32_t>();
   P.qscale = static_cast<float>(scale) * kLog2e;
 
-
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
   switch (q.scalar_type()) {
     case at::kFloat:
