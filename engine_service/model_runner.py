@@ -47,8 +47,6 @@ class ModelRunner:
         self.model.load_weights(weights)
         self.model.to(self.dtype)
         self.matmul_dtype = config.torch_matmul_dtype
-        if self.matmul_dtype != self.dtype:
-            self.model.set_matmul_dtype(self.matmul_dtype)
         self.model.rope_cos, self.model.rope_sin = self.model.rope_cos.float(), self.model.rope_sin.float()
         self.model.eval().requires_grad_(False)
         self.layer_ops = get_layer_ops(self.device, config.attention_backend)
@@ -63,8 +61,15 @@ class ModelRunner:
         # (bf16 activations widened, outputs rounded to bf16, as llama.py's linear() does).
         self.f32_gemm = (cpu and f32_wanted and self.layer_ops.f32_gemm
                          and self.dtype in (torch.float32, torch.bfloat16) and self.matmul_dtype == torch.float32)
-        self.packed_weights = cpu and self.model.pack_weights(
-            config.max_num_seqs, gemm_ops=self.layer_ops if self.bf16_gemm or self.f32_gemm else None)
+        gemm_ops = self.layer_ops if self.bf16_gemm or self.f32_gemm else None
+        if self.f32_gemm and self.dtype == torch.bfloat16:
+            # A bf16 model's layers keep their bf16 weights for the float32 kernel (half the memory
+            # of float32 copies, the same bits); what is left (the LM head) is widened below.
+            self.model.pack_gemm_weights(gemm_ops, float32_kernel=True)
+            gemm_ops = None
+        if self.matmul_dtype != self.dtype:
+            self.model.set_matmul_dtype(self.matmul_dtype)
+        self.packed_weights = cpu and self.model.pack_weights(config.max_num_seqs, gemm_ops=gemm_ops)
         # The decoder layers in one C++ call a step where the layers allow (LlamaForCausalLM.build_layer_stack).
         if cpu and self.packed_weights:
             self.model.build_layer_stack(self.layer_ops)

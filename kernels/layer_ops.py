@@ -159,11 +159,13 @@ class CpuLayerOps(TorchLayerOps):
     # ---- GEMMs of our own (csrc/cpu_ops.cpp): bf16 (bf16_gemm: AMX tiles or AVX512-BF16) and
     # float32 (f32_gemm: AVX-512 or AVX2 FMAs) ------------------------------------------------------
 
-    def gemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
+    def gemm_pack(self, weight: torch.Tensor, float32_kernel: bool = False) -> torch.Tensor:
         """weight [N, K] bf16 (N a multiple of 64, K even) or float32 (N a multiple of 64) in the
         kernels' layout, for the gemm_* GEMMs on activations of its dtype (float32 weights also take
-        bf16 activations: widened, the output rounded to bf16)."""
-        return torch.ops.pagoda_cpu.gemm_pack_weight(weight.contiguous())
+        bf16 activations: widened, the output rounded to bf16). ``float32_kernel``: a bf16 weight
+        kept in bf16 for the float32 kernel (a CPU without bf16 dot products): it takes bf16
+        activations and gives bitwise what the weight's float32 copy gives, from half the bytes."""
+        return torch.ops.pagoda_cpu.gemm_pack_weight(weight.contiguous(), float32_kernel)
 
     def gemm_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight.T in x's dtype, fp32 sums (rounded once to bf16 for bf16 x); a row's

@@ -360,6 +360,8 @@ def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir
         if not runner.layer_ops.f32_gemm:
             pytest.skip("this CPU has no AVX2 and FMA: no float32 GEMM of ours to force")
         assert runner.f32_gemm, "the float32 GEMMs did not run"
+        # A bf16 model's own bf16 weights go to the float32 kernel (no float32 copies).
+        assert runner.model.layers[0].mlp.gate_up_gemm.dtype == getattr(torch, dtype)
     stack, ops = runner.model.layer_stack, runner.layer_ops
     assert stack is not None, "the decoder layers do not run in one call on this CPU"
     calls = []

@@ -289,6 +289,45 @@ def test_gemm_linear_rotary_qkv_to_cache_is_the_gemm_then_rotary_qkv_to_cache(op
                                            torch.full((cached,), blocks * bs))
 
 
+def test_bf16_weights_on_the_float32_kernel_give_what_their_float32_copies_give(ops):
+    """A bf16 model on a CPU without bf16 dot products keeps its bf16 weights, packed for the
+    float32 kernel (``gemm_pack(w, float32_kernel=True)``), which widens each block as it goes:
+    bitwise the float32 copies' results in every GEMM form, at every row count, from half the
+    bytes; float32 x is refused there."""
+    from pagoda_kernels.layer_ops import interleave_gate_up
+
+    cpu = _gemm_ops(ops, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    for n, k in [(960, 576), (576, 1536), (64, 7)]:
+        w = (0.05 * torch.randn(n, k, generator=g)).to(torch.bfloat16)
+        narrow, wide = cpu.gemm_pack(w, float32_kernel=True), cpu.gemm_pack(w.float())
+        assert narrow.dtype == torch.bfloat16 and narrow.shape == wide.shape
+        # each k's columns of a panel, reordered for widening in registers
+        assert torch.equal(narrow.float().sort(-1).values, wide.sort(-1).values)
+        x = torch.randn(600, k, generator=g).to(torch.bfloat16)
+        full = cpu.gemm_linear(x, narrow)
+        assert torch.equal(full, cpu.gemm_linear(x, wide))
+        for rows in (*range(1, 13), 40, 257):
+            assert torch.equal(cpu.gemm_linear(x[-rows:].contiguous(), narrow), full[-rows:])
+        with pytest.raises(RuntimeError, match="take bf16 x; got Float"):
+            cpu.gemm_linear(x.float(), narrow)
+    w = (0.05 * torch.randn(512, 576, generator=g)).to(torch.bfloat16)
+    x = (3 * torch.randn(300, 576, generator=g)).to(torch.bfloat16)
+    gate_up = interleave_gate_up(w)
+    assert torch.equal(cpu.gemm_linear_silu_mul(x, cpu.gemm_pack(gate_up, float32_kernel=True)),
+                       cpu.gemm_linear_silu_mul(x, cpu.gemm_pack(gate_up.float())))
+    heads, kvh, dim, max_pos, blocks, bs = 9, 3, 64, 512, 40, 16
+    cos_t, sin_t = _rope_tables(dim, max_pos)
+    w = (0.05 * torch.randn((heads + 2 * kvh) * dim, 576, generator=g)).to(torch.bfloat16)
+    rope = cpu.rope_inputs(torch.randint(0, max_pos, (300,), generator=g), cos_t, sin_t, torch.bfloat16)
+    slots = torch.randperm(blocks * bs, generator=g)[:293]
+    results = []
+    for packed in (cpu.gemm_pack(w, float32_kernel=True), cpu.gemm_pack(w.float())):
+        kc, vc = (torch.zeros(blocks, bs, kvh, dim, dtype=torch.bfloat16) for _ in range(2))
+        results.append((cpu.gemm_linear_rotary_qkv_to_cache(x, packed, rope, heads, kc, vc, slots), kc, vc))
+    assert all(torch.equal(a, b) for a, b in zip(*results)) and results[0][1].abs().sum() > 0
+
+
 @pytest.mark.parametrize("dtype", GEMM_DTYPES)
 def test_gemms_reject_bad_shapes(ops, dtype):
     cpu = _gemm_ops(ops, dtype)

@@ -56,7 +56,12 @@ def test_engine_bf16_with_fp32_matmuls_matches_native_bf16_logprobs(tiny_llama_d
                   kv_cache_memory_bytes=16 << 20)
         runner = llm.llm_engine.runner
         assert runner.matmul_dtype == getattr(torch, md)
-        assert runner.model.layers[0].mlp.down_proj.weight.dtype == getattr(torch, md)
+        down = runner.model.layers[0].mlp.down_proj
+        if md == "float32" and runner.f32_gemm:  # the float32 kernel on the bf16 weights themselves
+            assert down.weight.numel() == 0 and down.gemm_weight.dtype == torch.bfloat16
+            assert down.gemm_weight.shape[-1] > 2  # the float32 kernel's panels, not bf16 pairs
+        else:
+            assert down.weight.dtype == getattr(torch, md)
         assert runner.model.embed_tokens.weight.dtype == torch.bfloat16  # activations stay bf16
         assert runner.kv_cache.dtype == torch.bfloat16
         outs[md] = llm.generate(prompts, params, use_tqdm=False)

@@ -65,13 +65,14 @@ class Linear(nn.Linear):
         return (self.bias is None and dtype in (torch.bfloat16, torch.float32) and self.out_features % 64 == 0
                 and (self.in_features % 2 == 0 or dtype == torch.float32))
 
-    def pack_gemm(self, ops) -> bool:
+    def pack_gemm(self, ops, float32_kernel: bool = False) -> bool:
         """Keep the weight in the layout of Pagoda's GEMMs too: ``forward`` multiplies up to
         ``ops.gemm_max_rows`` rows with ``ops.gemm_linear``, and only there where that has no limit
-        (the plain weight is dropped). False if the layer does not qualify."""
+        (the plain weight is dropped). ``float32_kernel``: a bf16 weight for the float32 kernel (see
+        ``ops.gemm_pack``). False if the layer does not qualify."""
         if not self.gemm_packable():
             return False
-        self.gemm_weight, self.gemm_ops = ops.gemm_pack(self.weight), ops
+        self.gemm_weight, self.gemm_ops = ops.gemm_pack(self.weight, float32_kernel), ops
         if ops.gemm_max_rows is None:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         return True
@@ -225,12 +226,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_gemm: torch.Tensor | None = None  # pack_gemm
         self.gemm_ops = None
 
-    def pack_gemm(self, ops) -> bool:
+    def pack_gemm(self, ops, float32_kernel: bool = False) -> bool:
         """gate/up on Pagoda's GEMM with silu * up fused (``ops.gemm_linear_silu_mul``) at every
         row count: the weight is kept only in that layout. False if the layer does not qualify."""
         if not self.gate_up_proj.gemm_packable() or self.intermediate_size % 64:
             return False
-        self.gate_up_gemm, self.gemm_ops = ops.gemm_pack(interleave_gate_up(self.gate_up_proj.weight)), ops
+        self.gate_up_gemm = ops.gemm_pack(interleave_gate_up(self.gate_up_proj.weight), float32_kernel)
+        self.gemm_ops = ops
         self.gate_up_proj.weight = nn.Parameter(self.gate_up_proj.weight.new_empty(0), requires_grad=False)
         return True
 
@@ -400,20 +402,25 @@ class LlamaForCausalLM(nn.Module):
             logits = linear(hidden, weight)
         return logits[:n]
 
+    def pack_gemm_weights(self, ops, float32_kernel: bool = False) -> None:
+        """Pack the decoder layers' weights for Pagoda's own GEMMs (``Linear.pack_gemm``,
+        ``LlamaMLP.pack_gemm``: gate/up only there, every layer only there where ``gemm_max_rows``
+        is None). ``float32_kernel``: the bf16 weights go to the float32 kernel as they are (a bf16
+        model on a CPU without bf16 dot products, before ``set_matmul_dtype`` widens what is left:
+        half the memory of float32 copies, the same bits; ``ops.gemm_pack``)."""
+        for layer in self.layers:
+            layer.mlp.pack_gemm(ops, float32_kernel)
+            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+                proj.pack_gemm(ops, float32_kernel)
+
     def pack_weights(self, batch_hint: int, gemm_ops=None) -> bool:
         """Reorder every GEMM weight (the LM head included) into oneDNN's blocked layout once
         (``pack_cpu_weight``); the plain copies are dropped. False where oneDNN is not available.
 
         ``gemm_ops`` (layer ops whose GEMMs take the weights' dtype: the activations', or float32
-        weights under bf16 activations):
-        the decoder layers' weights are also packed for Pagoda's own GEMMs (``Linear.pack_gemm``,
-        ``LlamaMLP.pack_gemm``: gate/up only there, every layer only there where ``gemm_max_rows``
-        is None)."""
+        weights under bf16 activations): ``pack_gemm_weights`` first."""
         if gemm_ops is not None:
-            for layer in self.layers:
-                layer.mlp.pack_gemm(gemm_ops)
-                for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
-                    proj.pack_gemm(gemm_ops)
+            self.pack_gemm_weights(gemm_ops)
         if self.tie_word_embeddings:
             weight = self.embed_tokens_matmul_weight if self.embed_tokens_matmul_weight is not None \
                 else self.embed_tokens.weight
@@ -430,7 +437,8 @@ class LlamaForCausalLM(nn.Module):
 
     def set_matmul_dtype(self, dtype: torch.dtype) -> None:
         """Keep the linear layers' (and a tied LM head's) weights in ``dtype`` for their GEMMs; the
-        activations, norms, embeddings and KV cache stay in the model dtype."""
+        activations, norms, embeddings and KV cache stay in the model dtype. (A weight already kept
+        only in our GEMMs' layout, ``pack_gemm_weights``, has no plain copy left to convert.)"""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.to(dtype)

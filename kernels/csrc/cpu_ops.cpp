@@ -686,9 +686,10 @@ void argmax(const at::Tensor& x, at::Tensor& out) {
 // 2-core Zen 4 1.0-2.0x at every row count, most where the weight or inputs are cold; float32 on a
 // 2-core Zen 3 (AVX2) 1.0-1.2x from 64 to 2048 rows and 1.1-1.6x at 8 (and W in float32 3% faster),
 // on a 2-core Zen 4 (AVX-512) 0.93-1.14x from 64 to 2048 rows and 1.1-1.7x at 8 (W in float32 +7%).
-// Float32 weights also take bf16 x (a bf16 model on a CPU without bf16 dot products keeps float32
-// copies of its bf16 weights): x is widened once, exactly, and each output rounded to bf16, as
-// llama.py's linear() computes it on oneDNN.
+// The float32 kernel also takes bf16 x, on float32 weights or on bf16 weights packed in its layout
+// (gemm_pack_weight(w, float32_kernel=true): a bf16 model on a CPU without bf16 dot products): x is
+// widened once and the weight block by block, both exactly, and each output rounded to bf16, as
+// llama.py's linear() computes it on oneDNN with float32 copies of the weights.
 // The fused forms:
 //   gemm_linear_silu_mul: gate/up blocks interleaved, the epilogue writes silu(gate) * up;
 //   gemm_linear_rotary_to_cache: one block per head of the fused QKV output, the epilogue writes
@@ -737,15 +738,32 @@ bool gemm_supported() { return PAGODA_GEMM_BF16; }
 // has no AVX-512: CpuLayerOps).
 bool gemm_f32_supported() { return PAGODA_GEMM_F32; }
 
-at::Tensor gemm_pack_weight(const at::Tensor& weight) {
+// A weight packed for the float32 kernel: float32 [N/64][64/P][K][P], or bf16 in that shape with
+// each k's P columns in the pair layout below (float32_kernel: a bf16 model on a CPU without bf16
+// dot products), widened in registers as the kernel loads them. The bf16 kernels' layout ends in
+// pairs of k (size 2), this one in P >= 16 columns.
+inline bool f32_kernel(const at::Tensor& packed) {
+  return packed.scalar_type() == at::kFloat ||
+         (packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(3) == kGemmPanelF32);
+}
+
+at::Tensor gemm_pack_weight(const at::Tensor& weight, bool float32_kernel) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
               "weight must be bf16 or float32 [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1);
-  if (weight.scalar_type() == at::kFloat) {
-    TORCH_CHECK(gemm_f32_supported(), "gemm_pack_weight: float32 needs a CPU with AVX2 and FMA");
+  if (weight.scalar_type() == at::kFloat || float32_kernel) {
+    TORCH_CHECK(gemm_f32_supported(), "gemm_pack_weight: the float32 kernel needs a CPU with AVX2 and FMA");
     TORCH_CHECK(n % kGemmBlockN == 0 && k > 0, "weight [", n, ", ", k, "]: N must be a multiple of ", kGemmBlockN);
     const int64_t panels = kGemmBlockN / kGemmPanelF32;  // [N/64][64/P][K][P]
-    return weight.reshape({n / kGemmBlockN, panels, kGemmPanelF32, k}).transpose(2, 3).contiguous();
+    const at::Tensor out = weight.reshape({n / kGemmBlockN, panels, kGemmPanelF32, k}).transpose(2, 3);
+    if (weight.scalar_type() == at::kFloat) return out.contiguous();
+    // bf16: the pair layout, each k's P columns as groups of 2L (L: the kernel's float32 lanes),
+    // column i of a group beside column L + i, so a 32-bit lane widens to either by a shift or a mask.
+    constexpr int64_t lanes = kGemmPanelF32 == 64 ? 16 : 8;
+    return out.reshape({n / kGemmBlockN, panels, k, kGemmPanelF32 / (2 * lanes), 2, lanes})
+        .transpose(4, 5)
+        .reshape({n / kGemmBlockN, panels, k, kGemmPanelF32})
+        .contiguous();
   }
   TORCH_CHECK(gemm_supported(), "gemm_pack_weight: this CPU has no AVX512-BF16 or AMX-BF16");
   TORCH_CHECK(n % kGemmBlockN == 0 && k % 2 == 0, "weight [", n, ", ", k, "]: N must be a multiple of ",
@@ -836,8 +854,10 @@ inline void dp_gemm(int64_t m, int64_t k, const at::BFloat16* a, int64_t lda, co
 // c[R][64] = a[R][k] @ one 64-column block b [k][64]: per k four weight vectors, R broadcasts and 4R
 // FMAs, k in order. 6 rows: 24 sums, 4 weight vectors and a broadcast in AVX-512's 32 registers
 // (the bf16 dp_rows' shape); each x value is broadcast once per block, not once per 16 columns.
-template <int R>
-inline void f32_rows(int64_t k, const float* a, int64_t lda, const float* b, float* c) {
+// W = bf16_t: a bf16 block in the pair layout (gemm_pack_weight), each k's 64 weights two vectors
+// of 32, each widened exactly by a shift (columns 0-15 of the 32) and a mask (16-31).
+template <int R, typename W>
+inline void f32_rows(int64_t k, const float* a, int64_t lda, const W* b, float* c) {
   __m512 s0[R], s1[R], s2[R], s3[R];
   const float* ar[R];
 #pragma GCC unroll 6
@@ -846,9 +866,19 @@ inline void f32_rows(int64_t k, const float* a, int64_t lda, const float* b, flo
     ar[r] = a + r * lda;
   }
   for (int64_t p = 0; p < k; ++p) {
-    const float* bp = b + p * kGemmPanelF32;
-    const __m512 b0 = _mm512_loadu_ps(bp), b1 = _mm512_loadu_ps(bp + 16), b2 = _mm512_loadu_ps(bp + 32),
-                 b3 = _mm512_loadu_ps(bp + 48);
+    const W* bp = b + p * kGemmPanelF32;
+    __m512 b0, b1, b2, b3;
+    if constexpr (std::is_same_v<W, bf16_t>) {
+      const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+      const __m512i v0 = _mm512_loadu_si512(bp), v1 = _mm512_loadu_si512(bp + 32);
+      b0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
+      b1 = _mm512_castsi512_ps(_mm512_and_si512(v0, hi));
+      b2 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+      b3 = _mm512_castsi512_ps(_mm512_and_si512(v1, hi));
+    } else {
+      b0 = _mm512_loadu_ps(bp), b1 = _mm512_loadu_ps(bp + 16), b2 = _mm512_loadu_ps(bp + 32);
+      b3 = _mm512_loadu_ps(bp + 48);
+    }
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m512 av = _mm512_set1_ps(ar[r][p]);
@@ -872,8 +902,10 @@ inline void f32_rows(int64_t k, const float* a, int64_t lda, const float* b, flo
 // broadcasts and 2R FMAs, k in order (a row's sums do not depend on R). 6 rows: 12 sums, 2 weight
 // vectors and a broadcast in AVX2's 16 registers. The arrays stay in registers only with the r
 // loops unrolled (gcc spilled acc[R][2] to the stack on every k).
-template <int R>
-inline void f32_rows(int64_t k, const float* a, int64_t lda, const float* b, float* c) {
+// W = bf16_t: a bf16 panel in the pair layout, each k's 16 weights one vector widened by a shift
+// (columns 0-7) and a mask (8-15).
+template <int R, typename W>
+inline void f32_rows(int64_t k, const float* a, int64_t lda, const W* b, float* c) {
   __m256 lo[R], hi[R];
   const float* ar[R];
 #pragma GCC unroll 6
@@ -882,7 +914,14 @@ inline void f32_rows(int64_t k, const float* a, int64_t lda, const float* b, flo
     ar[r] = a + r * lda;
   }
   for (int64_t p = 0; p < k; ++p) {
-    const __m256 b0 = _mm256_loadu_ps(b + p * kGemmPanelF32), b1 = _mm256_loadu_ps(b + p * kGemmPanelF32 + 8);
+    __m256 b0, b1;
+    if constexpr (std::is_same_v<W, bf16_t>) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + p * kGemmPanelF32));
+      b0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      b1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    } else {
+      b0 = _mm256_loadu_ps(b + p * kGemmPanelF32), b1 = _mm256_loadu_ps(b + p * kGemmPanelF32 + 8);
+    }
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m256 av = _mm256_broadcast_ss(ar[r] + p);
@@ -900,12 +939,14 @@ inline void f32_rows(int64_t k, const float* a, int64_t lda, const float* b, flo
 #endif
 
 #if PAGODA_GEMM_F32
-// c[m][64] = a[m][k] @ one 64-column block b [64/P][k][P]: 6 rows at a time through the block's
-// panels, so the rows' 6 x k inputs stay in L1 while the block (144-384 KB at SmolLM2's shapes)
-// streams from L2.
-inline void f32_gemm(int64_t m, int64_t k, const float* a, int64_t lda, const float* b, float* c) {
-  using Rows = void (*)(int64_t, const float*, int64_t, const float*, float*);
-  static constexpr Rows kRows[] = {nullptr, f32_rows<1>, f32_rows<2>, f32_rows<3>, f32_rows<4>, f32_rows<5>, f32_rows<6>};
+// c[m][64] = a[m][k] @ one 64-column block b [64/P][k][P] (float32, or bf16 in the pair layout):
+// 6 rows at a time through the block's panels, so the rows' 6 x k inputs stay in L1 while the
+// block (144-384 KB at SmolLM2's shapes in float32, half that in bf16) streams from L2.
+template <typename W>
+inline void f32_gemm(int64_t m, int64_t k, const float* a, int64_t lda, const W* b, float* c) {
+  using Rows = void (*)(int64_t, const float*, int64_t, const W*, float*);
+  static constexpr Rows kRows[] = {nullptr,       f32_rows<1, W>, f32_rows<2, W>, f32_rows<3, W>,
+                                   f32_rows<4, W>, f32_rows<5, W>, f32_rows<6, W>};
   for (int64_t r = 0; r < m; r += 6) {
     const Rows rows = kRows[std::min<int64_t>(6, m - r)];
     for (int64_t s = 0; s < kGemmBlockN / kGemmPanelF32; ++s)
@@ -931,21 +972,30 @@ inline void round_block_row(const float* c, bf16_t* dst) {
 // c[b][r][64].
 template <typename Epilogue>
 void run_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group, Epilogue&& epilogue) {
-  // float32 weights with bf16 x (a bf16 model on float32 weights): x widened once, exactly.
-  const at::Tensor x =
-      packed.scalar_type() == at::kFloat && x_in.scalar_type() != at::kFloat ? x_in.to(at::kFloat) : x_in;
+  // The float32 kernel with bf16 x (a bf16 model on a CPU without bf16 dot products): x widened
+  // once, exactly.
+  const bool f32 = f32_kernel(packed);
+  const at::Tensor x = f32 && x_in.scalar_type() != at::kFloat ? x_in.to(at::kFloat) : x_in;
   const int64_t m = x.size(0), k = x.size(1), lda = x.stride(0), block = k * kGemmBlockN;
   const int64_t groups = packed.size(0) / group, cblock = kGemmBlockM * kGemmBlockN;
-  if (x.scalar_type() == at::kFloat) {
+  if (f32) {
 #if PAGODA_GEMM_F32
     const float* a = x.data_ptr<float>();
-    const float* b = packed.data_ptr<float>();
-    run_gemm_blocks(
-        m, groups, group,
-        [&](int64_t r, int64_t len, int64_t g, float* c) {
-          for (int64_t j = 0; j < group; ++j) f32_gemm(len, k, a + r * lda, lda, b + (g * group + j) * block, c + j * cblock);
-        },
-        epilogue, [] {});
+    const auto multiply = [&](const auto* b) {
+      run_gemm_blocks(
+          m, groups, group,
+          [&](int64_t r, int64_t len, int64_t g, float* c) {
+            for (int64_t j = 0; j < group; ++j)
+              f32_gemm(len, k, a + r * lda, lda, b + (g * group + j) * block, c + j * cblock);
+          },
+          epilogue, [] {});
+    };
+    // bf16 weights are widened in registers as the kernel loads them: bitwise what float32
+    // copies of them give, from half the weight bytes.
+    if (packed.scalar_type() == at::kFloat)
+      multiply(packed.data_ptr<float>());
+    else
+      multiply(static_cast<const bf16_t*>(packed.data_ptr()));
 #endif
     return;
   }
@@ -973,7 +1023,7 @@ void run_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group, E
 // x [M, K] with contiguous rows and a weight packed for it: bf16 weights take bf16 x; float32
 // weights take float32 x, or bf16 x (widened; the output is rounded to bf16).
 void check_gemm(const at::Tensor& x, const at::Tensor& packed, const char* name) {
-  const bool f32 = packed.scalar_type() == at::kFloat;
+  const bool f32 = f32_kernel(packed);
   TORCH_CHECK(f32 ? gemm_f32_supported() : gemm_supported(), name, ": this CPU has no ",
               f32 ? "AVX2 and FMA" : "AVX512-BF16 or AMX-BF16");
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
@@ -981,7 +1031,9 @@ void check_gemm(const at::Tensor& x, const at::Tensor& packed, const char* name)
                   (f32 || x.stride(0) % 2 == 0),
               name, ": x must be [M, K] with contiguous rows, bf16 (at an even stride for bf16 weights) or, for "
               "float32 weights, float32; got ", x.scalar_type());
-  const bool ok = f32 ? packed.dim() == 4 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+  TORCH_CHECK(!f32 || packed.scalar_type() == at::kFloat || x_bf16, name,
+              ": bf16 weights packed for the float32 kernel take bf16 x; got ", x.scalar_type());
+  const bool ok = f32 ? packed.dim() == 4 && packed.is_contiguous() &&
                             packed.size(1) * kGemmPanelF32 == kGemmBlockN && packed.size(2) == x.size(1) &&
                             packed.size(3) == kGemmPanelF32
                       : packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
@@ -1003,7 +1055,7 @@ void gemm_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out)
     });
     return;
   }
-  if (packed.scalar_type() == at::kFloat) {  // bf16 x on float32 weights
+  if (f32_kernel(packed)) {  // bf16 x on the float32 kernel
     auto* o = static_cast<bf16_t*>(out.data_ptr());
     run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
       for (int64_t r = 0; r < rows; ++r) round_block_row(c + r * kGemmBlockN, o + (r0 + r) * ldo + g * kGemmBlockN);
@@ -1039,7 +1091,7 @@ void gemm_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Ten
     });
     return;
   }
-  if (packed.scalar_type() == at::kFloat) {  // bf16 x on float32 weights: gate and up rounded to bf16 first
+  if (f32_kernel(packed)) {  // bf16 x on the float32 kernel: gate and up rounded to bf16 first
 #if PAGODA_EW_AVX512
     silu_bf16_table();  // built once, before the threads start
 #endif
@@ -1136,7 +1188,7 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
     });
     return;
   }
-  if (packed.scalar_type() == at::kFloat) {  // bf16 x on float32 weights
+  if (f32_kernel(packed)) {  // bf16 x on the float32 kernel
     run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
       rotary_to_cache_rows<bf16_t>(r0, rows, h, c, round_block_row, static_cast<bf16_t*>(q_out.data_ptr()),
                                    static_cast<bf16_t*>(key_cache.data_ptr()),
@@ -1292,7 +1344,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def("gemm_supported() -> bool", TORCH_FN(gemm_supported));
   m.def("gemm_uses_amx() -> bool", TORCH_FN(gemm_uses_amx));
   m.def("gemm_f32_supported() -> bool", TORCH_FN(gemm_f32_supported));
-  m.def("gemm_pack_weight(Tensor weight) -> Tensor");
+  m.def("gemm_pack_weight(Tensor weight, bool float32_kernel=False) -> Tensor");
   m.impl("gemm_pack_weight", c10::DispatchKey::CPU, TORCH_FN(gemm_pack_weight));
   m.def("gemm_linear(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
   m.impl("gemm_linear", c10::DispatchKey::CPU, TORCH_FN(gemm_linear));
