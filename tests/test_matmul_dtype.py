@@ -60,6 +60,10 @@ def test_engine_bf16_with_fp32_matmuls_matches_native_bf16_logprobs(tiny_llama_d
         if md == "float32" and runner.f32_gemm:  # the float32 kernel on the bf16 weights themselves
             assert down.weight.numel() == 0 and down.gemm_weight.dtype == torch.bfloat16
             assert down.gemm_weight.shape[-1] > 2  # the float32 kernel's panels, not bf16 pairs
+            model = runner.model  # and so is the LM head, with no float32 copy of it
+            head = model.tied_lm_head_gemm if model.tie_word_embeddings else model.lm_head.gemm_weight
+            assert head is not None and head.dtype == torch.bfloat16
+            assert model.embed_tokens_matmul_weight is None and model.tied_lm_head_packed is None
         else:
             assert down.weight.dtype == getattr(torch, md)
         assert runner.model.embed_tokens.weight.dtype == torch.bfloat16  # activations stay bf16
@@ -123,8 +127,8 @@ def test_engine_packs_every_gemm_weight_on_cpu(tiny_llama_dir, dtype):
     assert linears and all((m.packed_weight is not None or id(m) in gemm_only) and m.weight.numel() == 0
                            for m in linears)
     assert bool(gemm_only) == (ops.bf16_gemm if runner.matmul_dtype == torch.bfloat16 else ops.f32_gemm_preferred)
-    if model.tie_word_embeddings:
-        assert model.tied_lm_head_packed is not None
+    if model.tie_word_embeddings:  # for oneDNN, or for our float32 kernel (a bf16 model without bf16 dot products)
+        assert (model.tied_lm_head_packed is not None) != (model.tied_lm_head_gemm is not None)
     torch_dtype = getattr(torch, dtype)
     hidden = torch.randn(3, model.config.hidden_size).to(torch_dtype)
     ref = (hidden.double() @ model.embed_tokens.weight.double().T) if model.tie_word_embeddings else None
@@ -132,3 +136,33 @@ def test_engine_packs_every_gemm_weight_on_cpu(tiny_llama_dir, dtype):
     assert logits.shape == (3, model.config.vocab_size) and logits.dtype == torch_dtype  # widened by the sampler
     if ref is not None:
         torch.testing.assert_close(logits.double(), ref.to(torch_dtype).double(), rtol=2e-2, atol=5e-2)
+
+
+def test_tied_lm_head_on_the_float32_kernel_keeps_its_bf16_weight():
+    """A bf16 model with a tied LM head on our float32 kernel (``pack_gemm_weights(float32_kernel=
+    True)``): the head multiplies the bf16 embedding table packed for the kernel, no float32 copy
+    is made, and the logits are the float32 product rounded to bf16 (as ``linear`` on the copy)."""
+    from transformers import LlamaConfig
+
+    from engine_service.models.llama import LlamaForCausalLM
+    from pagoda_kernels.layer_ops import get_layer_ops
+
+    ops = get_layer_ops(torch.device("cpu"))
+    if not getattr(ops, "f32_gemm", False):
+        pytest.skip("this CPU has no AVX2 and FMA: no float32 kernel of ours")
+    config = LlamaConfig(vocab_size=640, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, 64).to(torch.bfloat16).eval().requires_grad_(False)
+    model.pack_gemm_weights(ops, float32_kernel=True)
+    model.set_matmul_dtype(torch.float32)
+    assert model.pack_weights(16)
+    assert model.tied_lm_head_gemm.dtype == torch.bfloat16 and model.tied_lm_head_packed is None
+    assert model.embed_tokens_matmul_weight is None
+    hidden = torch.randn(5, 64).to(torch.bfloat16)
+    logits = model.compute_logits(hidden)
+    assert logits.shape == (5, 640) and logits.dtype == torch.bfloat16
+    assert torch.equal(logits, ops.gemm_linear(hidden, model.tied_lm_head_gemm))  # the head's route
+    want = (hidden.double() @ model.embed_tokens.weight.double().T).to(torch.bfloat16)
+    # fp32 sums of exact products, rounded once: at most one bf16 step from the exact product's rounding
+    assert ((logits.double() - want.double()).abs() <= 2 ** -7 * want.double().abs() + 1e-6).all()

@@ -282,6 +282,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         self.embed_tokens_matmul_weight: torch.Tensor | None = None
         self.tied_lm_head_packed: torch.Tensor | None = None  # pack_weights()
+        # pack_gemm_weights(float32_kernel=True): the tied LM head's bf16 weight on our float32 kernel
+        self.tied_lm_head_gemm: torch.Tensor | None = None
+        self.gemm_ops = None
         # GEMM inputs are padded with rows up to a multiple of this (pack_weights sets 8): oneDNN
         # builds a primitive per row count on first use (~2 ms per weight shape on a 2-core Xeon), and
         # as requests finish nearly every decode step has a new count (~10 ms a step before this).
@@ -394,6 +397,8 @@ class LlamaForCausalLM(nn.Module):
             hidden = F.pad(hidden, (0, 0, 0, pad))
         if not self.tie_word_embeddings:
             logits = self.lm_head(hidden)
+        elif self.tied_lm_head_gemm is not None:
+            logits = self.gemm_ops.gemm_linear(hidden, self.tied_lm_head_gemm)
         elif self.tied_lm_head_packed is not None:
             logits = linear(hidden, self.tied_lm_head_packed, packed=True)
         else:
@@ -407,11 +412,20 @@ class LlamaForCausalLM(nn.Module):
         ``LlamaMLP.pack_gemm``: gate/up only there, every layer only there where ``gemm_max_rows``
         is None). ``float32_kernel``: the bf16 weights go to the float32 kernel as they are (a bf16
         model on a CPU without bf16 dot products, before ``set_matmul_dtype`` widens what is left:
-        half the memory of float32 copies, the same bits; ``ops.gemm_pack``)."""
+        half the memory of float32 copies, the same bits; ``ops.gemm_pack``), and so does the LM
+        head (faster there than oneDNN on a float32 copy at every row count a step hands it:
+        bench/RESULTS.md); other heads stay on oneDNN."""
         for layer in self.layers:
             layer.mlp.pack_gemm(ops, float32_kernel)
             for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
                 proj.pack_gemm(ops, float32_kernel)
+        if not float32_kernel:
+            return
+        if not self.tie_word_embeddings:
+            self.lm_head.pack_gemm(ops, float32_kernel)
+        elif self.embed_tokens.weight.dtype == torch.bfloat16 and self.config.vocab_size % 64 == 0:
+            self.tied_lm_head_gemm = ops.gemm_pack(self.embed_tokens.weight, float32_kernel=True)
+            self.gemm_ops = ops
 
     def pack_weights(self, batch_hint: int, gemm_ops=None) -> bool:
         """Reorder every GEMM weight (the LM head included) into oneDNN's blocked layout once
@@ -421,7 +435,7 @@ class LlamaForCausalLM(nn.Module):
         weights under bf16 activations): ``pack_gemm_weights`` first."""
         if gemm_ops is not None:
             self.pack_gemm_weights(gemm_ops)
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.tied_lm_head_gemm is None:
             weight = self.embed_tokens_matmul_weight if self.embed_tokens_matmul_weight is not None \
                 else self.embed_tokens.weight
             packed = pack_cpu_weight(weight, batch_hint)
@@ -442,7 +456,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.to(dtype)
-        if self.tie_word_embeddings and dtype != self.embed_tokens.weight.dtype:
+        if self.tie_word_embeddings and dtype != self.embed_tokens.weight.dtype and self.tied_lm_head_gemm is None:
             self.embed_tokens_matmul_weight = self.embed_tokens.weight.to(dtype)
 
     @torch.no_grad()
