@@ -63,8 +63,8 @@ class ModelRunner:
                          and self.dtype in (torch.float32, torch.bfloat16) and self.matmul_dtype == torch.float32)
         gemm_ops = self.layer_ops if self.bf16_gemm or self.f32_gemm else None
         if self.f32_gemm and self.dtype == torch.bfloat16:
-            # A bf16 model's layers keep their bf16 weights for the float32 kernel (half the memory
-            # of float32 copies, the same bits); what is left (the LM head) is widened below.
+            # A bf16 model's layers and LM head keep their bf16 weights for the float32 kernel (half
+            # the memory of float32 copies, the same bits); what it does not take is widened below.
             self.model.pack_gemm_weights(gemm_ops, float32_kernel=True)
             gemm_ops = None
         if self.matmul_dtype != self.dtype:
