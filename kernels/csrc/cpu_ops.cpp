@@ -688,8 +688,8 @@ void argmax(const at::Tensor& x, at::Tensor& out) {
 // on a 2-core Zen 4 (AVX-512) 0.93-1.14x from 64 to 2048 rows and 1.1-1.7x at 8 (W in float32 +7%).
 // The float32 kernel also takes bf16 x, on float32 weights or on bf16 weights packed in its layout
 // (gemm_pack_weight(w, float32_kernel=true): a bf16 model on a CPU without bf16 dot products): x is
-// widened once and the weight block by block, both exactly, and each output rounded to bf16, as
-// llama.py's linear() computes it on oneDNN with float32 copies of the weights.
+// widened once and the weight in registers as the kernel loads it, both exactly, and each output
+// rounded to bf16, as llama.py's linear() computes it on oneDNN with float32 copies of the weights.
 // The fused forms:
 //   gemm_linear_silu_mul: gate/up blocks interleaved, the epilogue writes silu(gate) * up;
 //   gemm_linear_rotary_to_cache: one block per head of the fused QKV output, the epilogue writes
@@ -1021,7 +1021,8 @@ void run_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group, E
 }
 
 // x [M, K] with contiguous rows and a weight packed for it: bf16 weights take bf16 x; float32
-// weights take float32 x, or bf16 x (widened; the output is rounded to bf16).
+// weights take float32 x, or bf16 x (widened; the output is rounded to bf16); bf16 weights packed
+// for the float32 kernel take bf16 x.
 void check_gemm(const at::Tensor& x, const at::Tensor& packed, const char* name) {
   const bool f32 = f32_kernel(packed);
   TORCH_CHECK(f32 ? gemm_f32_supported() : gemm_supported(), name, ": this CPU has no ",
