@@ -16,7 +16,6 @@ too, so this measures it on any such host.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_service.models.llama import linear, pack_cpu_weight  # noqa: E402
-from fp32_linear_ab import SHAPES  # noqa: E402
+from fp32_linear_ab import SHAPES, gemm_parser  # noqa: E402
 
 COLD_BYTES = 160 << 20
 
@@ -42,9 +41,7 @@ def seconds(multiply, x, weights, reps: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256, 2048])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap = gemm_parser(__doc__, [1, 8, 64, 256, 2048])
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:

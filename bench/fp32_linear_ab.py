@@ -28,6 +28,15 @@ from engine_service.models.llama import linear, pack_cpu_weight  # noqa: E402
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm": (49152, 576)}
 
 
+def gemm_parser(doc: str, rows: list[int], shapes: dict = SHAPES) -> argparse.ArgumentParser:
+    """The GEMM benches' shared options: --rows (row counts, default ``rows``) and --shapes (names
+    of ``shapes``, all by default)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=rows)
+    ap.add_argument("--shapes", nargs="+", default=list(shapes), choices=list(shapes))
+    return ap
+
+
 def seconds(fn, reps: int) -> float:
     """Seconds for ``reps`` calls of ``fn`` after one untimed call."""
     fn()
@@ -38,9 +47,7 @@ def seconds(fn, reps: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256, 1024, 2048])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap = gemm_parser(__doc__, [8, 64, 256, 1024, 2048])
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:

@@ -14,7 +14,6 @@ and FMA (the GEMM is built only there).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # fp32_linear_ab imports engine_service, which puts torch's buffers on huge pages as in the engine
 # (before any allocation); its SHAPES are the bundled model's weight shapes.
-from fp32_linear_ab import SHAPES as ALL_SHAPES  # noqa: E402
+from fp32_linear_ab import SHAPES as ALL_SHAPES, gemm_parser  # noqa: E402
 
 SHAPES = {name: ALL_SHAPES[name] for name in ("qkv", "o", "gate_up", "down")}  # the decoder layers' GEMMs
 
@@ -69,9 +68,7 @@ double fma_peak(int64_t threads, int64_t iters) {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256, 2048])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap = gemm_parser(__doc__, [8, 64, 256, 2048], SHAPES)
     ap.add_argument("--layers", type=int, default=20, help="weight copies cycled per round")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
