@@ -328,6 +328,50 @@ def test_bf16_weights_on_the_float32_kernel_give_what_their_float32_copies_give(
     assert all(torch.equal(a, b) for a, b in zip(*results)) and results[0][1].abs().sum() > 0
 
 
+@pytest.fixture
+def stalled_gemm_thread():
+    """Two threads in every GEMM call, the second sleeping 20 ms before it starts (as if the OS had
+    preempted it: the engine service's event loop, a neighbour on the host)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield lambda on: torch.ops.pagoda_cpu.gemm_test_stall(1 if on else -1, 20_000)
+    torch.ops.pagoda_cpu.gemm_test_stall(-1, 0)
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype,w_dtype", GEMM_FORMS)
+def test_a_stalled_gemm_threads_work_is_taken_by_the_other_with_the_same_results(ops, stalled_gemm_thread,
+                                                                                 dtype, w_dtype):
+    """The thread that is not held up takes the back of the stalled one's share (whole groups, then
+    half of what is left of one) and every form gives the same bits as with both threads running."""
+    from pagoda_kernels.layer_ops import interleave_gate_up
+
+    cpu = _gemm_ops(ops, w_dtype)
+    g = torch.Generator().manual_seed(11)
+    heads, kvh, dim, k, max_pos, blocks, bs = 9, 3, 64, 576, 512, 80, 16
+    cos_t, sin_t = _rope_tables(dim, max_pos)
+    w = (0.05 * torch.randn(1536, k, generator=g)).to(w_dtype)
+    w_qkv = (0.05 * torch.randn((heads + 2 * kvh) * dim, k, generator=g)).to(w_dtype)
+    packed, packed_gate_up, packed_qkv = cpu.gemm_pack(w), cpu.gemm_pack(interleave_gate_up(w)), cpu.gemm_pack(w_qkv)
+    for rows in (1, 13, 300, 600):
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        rope = cpu.rope_inputs(torch.randint(0, max_pos, (rows,), generator=g), cos_t, sin_t, dtype)
+        slots = torch.randperm(blocks * bs, generator=g)[:rows]
+
+        def run():
+            kc, vc = (torch.zeros(blocks, bs, kvh, dim, dtype=dtype) for _ in range(2))
+            q = cpu.gemm_linear_rotary_qkv_to_cache(x, packed_qkv, rope, heads, kc, vc, slots)
+            return cpu.gemm_linear(x, packed), cpu.gemm_linear_silu_mul(x, packed_gate_up), q, kc, vc
+
+        stalled_gemm_thread(False)
+        want = run()
+        steals = torch.ops.pagoda_cpu.gemm_steals()
+        stalled_gemm_thread(True)
+        got = run()
+        assert torch.ops.pagoda_cpu.gemm_steals() >= steals + 3  # at least one a call
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), rows
+
+
 @pytest.mark.parametrize("dtype", GEMM_DTYPES)
 def test_gemms_reject_bad_shapes(ops, dtype):
     cpu = _gemm_ops(ops, dtype)

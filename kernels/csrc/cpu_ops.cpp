@@ -29,10 +29,13 @@
 #include <immintrin.h>
 #endif
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -780,29 +783,88 @@ at::Tensor gemm_pack_weight(const at::Tensor& weight, bool float32_kernel) {
   return out;
 }
 
+// For the tests: a thread of every GEMM call that sleeps first (as if the OS had preempted it), and
+// how many times a thread has taken another's work.
+std::atomic<int64_t> g_gemm_stall_thread{-1}, g_gemm_stall_us{0}, g_gemm_steals{0};
+
+void gemm_test_stall(int64_t thread, int64_t microseconds) {
+  g_gemm_stall_us.store(microseconds);
+  g_gemm_stall_thread.store(thread);
+}
+
+int64_t gemm_steals() { return g_gemm_steals.load(); }
+
 // Splits x's m rows into 256-row slices and, in each, the slice's (group, row) pairs evenly over the
 // threads in group-major order: a thread takes whole groups and part of the rows of one at each end
 // (o_proj's 9 blocks would leave threads 4 against 5). multiply(row0, rows, g, c) fills c[b][r][64]
 // with the fp32 products of those rows with the group's blocks b; epilogue(row0, rows, g, c) takes
 // them; finish() runs on each thread at the end.
+//
+// A thread works through its shares from the front, one group's rows at a time; one that has run
+// out takes the back of another's (a group's rows, or the back half of the last one left), so a
+// thread the OS preempts (the engine service's event loop, a neighbour on the host) holds the call
+// up by the work it has in hand, not by its whole share. Each share is one atomic word (front, back):
+// every (group, row) pair is claimed exactly once, and a row's sums do not depend on which thread or
+// how many rows at a time computes them, so the output is the same bits whoever takes what.
 template <typename Multiply, typename Epilogue, typename Finish>
 void run_gemm_blocks(int64_t m, int64_t groups, int64_t group, Multiply&& multiply, Epilogue&& epilogue,
                      Finish&& finish) {
   if (m == 0) return;
   const int nt = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), groups * m));
+  const int64_t slices = (m + kGemmBlockM - 1) / kGemmBlockM;
+  const auto pack = [](int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) | static_cast<uint64_t>(back) << 32;
+  };
+  std::vector<std::atomic<uint64_t>> shares(slices * nt);
+  for (int64_t s = 0; s < slices; ++s) {
+    const int64_t units = groups * std::min(kGemmBlockM, m - s * kGemmBlockM);
+    for (int t = 0; t < nt; ++t) shares[s * nt + t].store(pack(units * t / nt, units * (t + 1) / nt));
+  }
 #pragma omp parallel num_threads(nt)
   {
     static thread_local std::vector<float> buf;
     buf.resize(group * kGemmBlockM * kGemmBlockN);
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    for (int64_t r0 = 0; r0 < m; r0 += kGemmBlockM) {
-      const int64_t rows = std::min(kGemmBlockM, m - r0), units = groups * rows;
-      for (int64_t u = units * t / n, u1 = units * (t + 1) / n; u < u1;) {
-        const int64_t g = u / rows, lo = u % rows, len = std::min(rows - lo, u1 - u);
-        multiply(r0 + lo, len, g, buf.data());
-        epilogue(r0 + lo, len, g, buf.data());
-        u += len;
+    const int t = omp_get_thread_num();
+    if (g_gemm_stall_thread.load(std::memory_order_relaxed) == t)
+      std::this_thread::sleep_for(std::chrono::microseconds(g_gemm_stall_us.load(std::memory_order_relaxed)));
+    // Claims units [lo, hi) of slice s from share t2 (its owner from the front, others from the back).
+    const auto claim = [&](int64_t s, int t2, int64_t rows, int64_t& lo, int64_t& hi) {
+      std::atomic<uint64_t>& share = shares[s * nt + t2];
+      uint64_t cur = share.load(std::memory_order_relaxed);
+      for (;;) {
+        const int64_t front = static_cast<uint32_t>(cur), back = static_cast<int64_t>(cur >> 32);
+        if (front >= back) return false;
+        uint64_t next;
+        if (t2 == t) {
+          lo = front;
+          hi = std::min((front / rows + 1) * rows, back);
+          next = pack(hi, back);
+        } else {
+          hi = back;
+          lo = std::max((back - 1) / rows * rows, front);
+          if (lo == front && back - front > 12) lo = front + (back - front) / 12 * 6;  // the back half
+          next = pack(front, lo);
+        }
+        if (share.compare_exchange_weak(cur, next, std::memory_order_relaxed)) {
+          if (t2 != t) g_gemm_steals.fetch_add(1, std::memory_order_relaxed);
+          return true;
+        }
       }
+    };
+    const auto run = [&](int64_t s, int64_t rows, int64_t lo, int64_t hi) {
+      const int64_t g = lo / rows, r = s * kGemmBlockM + lo % rows, len = hi - lo;
+      multiply(r, len, g, buf.data());
+      epilogue(r, len, g, buf.data());
+    };
+    int64_t lo, hi;
+    for (int64_t s = 0; s < slices; ++s) {
+      const int64_t rows = std::min(kGemmBlockM, m - s * kGemmBlockM);
+      while (claim(s, t, rows, lo, hi)) run(s, rows, lo, hi);
+    }
+    for (int64_t s = 0; s < slices; ++s) {
+      const int64_t rows = std::min(kGemmBlockM, m - s * kGemmBlockM);
+      for (int d = 1; d < nt; ++d)
+        while (claim(s, (t + d) % nt, rows, lo, hi)) run(s, rows, lo, hi);
     }
     finish();
   }
@@ -1347,6 +1409,8 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def("gemm_f32_supported() -> bool", TORCH_FN(gemm_f32_supported));
   m.def("gemm_pack_weight(Tensor weight, bool float32_kernel=False) -> Tensor");
   m.impl("gemm_pack_weight", c10::DispatchKey::CPU, TORCH_FN(gemm_pack_weight));
+  m.def("gemm_test_stall(int thread, int microseconds) -> ()", TORCH_FN(gemm_test_stall));
+  m.def("gemm_steals() -> int", TORCH_FN(gemm_steals));
   m.def("gemm_linear(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
   m.impl("gemm_linear", c10::DispatchKey::CPU, TORCH_FN(gemm_linear));
   m.def("gemm_linear_silu_mul(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
