@@ -166,3 +166,32 @@ def test_tied_lm_head_on_the_float32_kernel_keeps_its_bf16_weight():
     want = (hidden.double() @ model.embed_tokens.weight.double().T).to(torch.bfloat16)
     # fp32 sums of exact products, rounded once: at most one bf16 step from the exact product's rounding
     assert ((logits.double() - want.double()).abs() <= 2 ** -7 * want.double().abs() + 1e-6).all()
+
+
+def test_tied_lm_head_on_the_bf16_kernel():
+    """A bf16 model on a CPU with AVX512-BF16 and no AMX: the tied LM head multiplies the embedding
+    table packed for our bf16 GEMM, as the decoder layers do (as fast as oneDNN's at every row
+    count, and not held up by a preempted thread); with AMX it stays on oneDNN."""
+    from transformers import LlamaConfig
+
+    from engine_service.models.llama import LlamaForCausalLM
+    from pagoda_kernels.layer_ops import get_layer_ops
+
+    ops = get_layer_ops(torch.device("cpu"))
+    if not getattr(ops, "bf16_gemm", False):
+        pytest.skip("this CPU has neither AVX512-BF16 nor AMX-BF16: no bf16 GEMM of ours")
+    config = LlamaConfig(vocab_size=640, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, 64).to(torch.bfloat16).eval().requires_grad_(False)
+    assert model.pack_weights(16, gemm_ops=ops)
+    hidden = torch.randn(5, 64).to(torch.bfloat16)
+    logits = model.compute_logits(hidden)
+    assert logits.shape == (5, 640) and logits.dtype == torch.bfloat16
+    if ops.gemm_max_rows is not None:  # AMX
+        assert model.tied_lm_head_gemm is None and model.tied_lm_head_packed is not None
+    else:
+        assert model.tied_lm_head_gemm.dtype == torch.bfloat16 and model.tied_lm_head_packed is None
+        assert torch.equal(logits, ops.gemm_linear(hidden, model.tied_lm_head_gemm))  # the head's route
+    want = (hidden.double() @ model.embed_tokens.weight.double().T).to(torch.bfloat16)
+    assert ((logits.double() - want.double()).abs() <= 2 ** -7 * want.double().abs() + 1e-6).all()

@@ -412,19 +412,20 @@ class LlamaForCausalLM(nn.Module):
         ``LlamaMLP.pack_gemm``: gate/up only there, every layer only there where ``gemm_max_rows``
         is None). ``float32_kernel``: the bf16 weights go to the float32 kernel as they are (a bf16
         model on a CPU without bf16 dot products, before ``set_matmul_dtype`` widens what is left:
-        half the memory of float32 copies, the same bits; ``ops.gemm_pack``), and so does the LM
-        head (faster there than oneDNN on a float32 copy at every row count a step hands it:
-        bench/RESULTS.md); other heads stay on oneDNN."""
+        half the memory of float32 copies, the same bits; ``ops.gemm_pack``). The LM head goes there
+        too (on the float32 kernel faster than oneDNN on a float32 copy at every row count a step
+        hands it; on AVX512-BF16 as fast as oneDNN and, like every GEMM of ours, not held up by a
+        preempted thread: bench/RESULTS.md), except with AMX, where it stays on oneDNN."""
         for layer in self.layers:
             layer.mlp.pack_gemm(ops, float32_kernel)
             for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
                 proj.pack_gemm(ops, float32_kernel)
-        if not float32_kernel:
-            return
+        if not float32_kernel and ops.gemm_max_rows is not None:
+            return  # AMX: oneDNN's LM head is faster above a few hundred rows (bench/RESULTS.md)
         if not self.tie_word_embeddings:
             self.lm_head.pack_gemm(ops, float32_kernel)
         elif self.embed_tokens.weight.dtype == torch.bfloat16 and self.config.vocab_size % 64 == 0:
-            self.tied_lm_head_gemm = ops.gemm_pack(self.embed_tokens.weight, float32_kernel=True)
+            self.tied_lm_head_gemm = ops.gemm_pack(self.embed_tokens.weight, float32_kernel=float32_kernel)
             self.gemm_ops = ops
 
     def pack_weights(self, batch_hint: int, gemm_ops=None) -> bool:
