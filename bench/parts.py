@@ -88,7 +88,8 @@ def main() -> int:
     for label, s in sorted(seconds.items(), key=lambda x: -x[1]):
         print(f"| {label} | {s:.2f} | {100 * s / elapsed:.1f}% | {calls[label]} |")
     print("(model forward contains linear, attention and layer_ops; runner.execute contains the forward, "
-          "the LM head and sampling; the LM head's GEMM is also in linear; with AVX512-BF16 or AMX the layers' "
+          "the LM head and sampling; the LM head's GEMM is also in linear, or in layer_ops.gemm_linear where it runs on "
+          "Pagoda's GEMM (AVX512-BF16 without AMX, or the float32 kernel); with AVX512-BF16 or AMX the layers' "
           "GEMMs are layer_ops.gemm_* (with AMX up to 1024 rows), the fused ones including silu * up / rotary "
           "+ KV write)")
     return 0
