@@ -370,6 +370,8 @@ def test_a_stalled_gemm_threads_work_is_taken_by_the_other_with_the_same_results
         got = run()
         assert torch.ops.pagoda_cpu.gemm_steals() >= steals + 3  # at least one a call
         assert all(torch.equal(a, b) for a, b in zip(got, want)), rows
+    with pytest.raises(RuntimeError, match=r"microseconds must be in \[0, 1e6\]"):
+        torch.ops.pagoda_cpu.gemm_test_stall(1, -1)
 
 
 @pytest.mark.parametrize("dtype", GEMM_DTYPES)

@@ -138,22 +138,32 @@ def test_engine_packs_every_gemm_weight_on_cpu(tiny_llama_dir, dtype):
         torch.testing.assert_close(logits.double(), ref.to(torch_dtype).double(), rtol=2e-2, atol=5e-2)
 
 
+def _cpu_layer_ops():
+    from pagoda_kernels.layer_ops import get_layer_ops
+
+    return get_layer_ops(torch.device("cpu"))
+
+
+def _tiny_tied_bf16_model():
+    """A one-layer bf16 Llama with a tied LM head over a 640-token vocabulary (10 GEMM blocks)."""
+    from transformers import LlamaConfig
+
+    from engine_service.models.llama import LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=640, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config, 64).to(torch.bfloat16).eval().requires_grad_(False)
+
+
 def test_tied_lm_head_on_the_float32_kernel_keeps_its_bf16_weight():
     """A bf16 model with a tied LM head on our float32 kernel (``pack_gemm_weights(float32_kernel=
     True)``): the head multiplies the bf16 embedding table packed for the kernel, no float32 copy
     is made, and the logits are the float32 product rounded to bf16 (as ``linear`` on the copy)."""
-    from transformers import LlamaConfig
-
-    from engine_service.models.llama import LlamaForCausalLM
-    from pagoda_kernels.layer_ops import get_layer_ops
-
-    ops = get_layer_ops(torch.device("cpu"))
+    ops = _cpu_layer_ops()
     if not getattr(ops, "f32_gemm", False):
         pytest.skip("this CPU has no AVX2 and FMA: no float32 kernel of ours")
-    config = LlamaConfig(vocab_size=640, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config, 64).to(torch.bfloat16).eval().requires_grad_(False)
+    model = _tiny_tied_bf16_model()
     model.pack_gemm_weights(ops, float32_kernel=True)
     model.set_matmul_dtype(torch.float32)
     assert model.pack_weights(16)
@@ -172,18 +182,10 @@ def test_tied_lm_head_on_the_bf16_kernel():
     """A bf16 model on a CPU with AVX512-BF16 and no AMX: the tied LM head multiplies the embedding
     table packed for our bf16 GEMM, as the decoder layers do (as fast as oneDNN's at every row
     count, and not held up by a preempted thread); with AMX it stays on oneDNN."""
-    from transformers import LlamaConfig
-
-    from engine_service.models.llama import LlamaForCausalLM
-    from pagoda_kernels.layer_ops import get_layer_ops
-
-    ops = get_layer_ops(torch.device("cpu"))
+    ops = _cpu_layer_ops()
     if not getattr(ops, "bf16_gemm", False):
         pytest.skip("this CPU has neither AVX512-BF16 nor AMX-BF16: no bf16 GEMM of ours")
-    config = LlamaConfig(vocab_size=640, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config, 64).to(torch.bfloat16).eval().requires_grad_(False)
+    model = _tiny_tied_bf16_model()
     assert model.pack_weights(16, gemm_ops=ops)
     hidden = torch.randn(5, 64).to(torch.bfloat16)
     logits = model.compute_logits(hidden)

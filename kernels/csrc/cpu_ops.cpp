@@ -788,6 +788,8 @@ at::Tensor gemm_pack_weight(const at::Tensor& weight, bool float32_kernel) {
 std::atomic<int64_t> g_gemm_stall_thread{-1}, g_gemm_stall_us{0}, g_gemm_steals{0};
 
 void gemm_test_stall(int64_t thread, int64_t microseconds) {
+  TORCH_CHECK(microseconds >= 0 && microseconds <= 1000000, "gemm_test_stall: microseconds must be in [0, 1e6], got ",
+              microseconds);
   g_gemm_stall_us.store(microseconds);
   g_gemm_stall_thread.store(thread);
 }
