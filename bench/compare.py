@@ -26,6 +26,11 @@ slow spell of the host hits both engines alike; each row of the table then gives
 elapsed time (output tok/s = its tokens / that) and median TTFTs, with every run's output tok/s
 beside them. Use an odd count: the host's noise is ±5-15% from one run to the next.
 
+``--max-num-batched-tokens N`` gives Pagoda and vLLM both that step budget. Without it each takes
+its own default, 2048 tokens for both (vLLM's ``EngineArgs`` default, which this command's
+``LLMEngine`` gets; vLLM's ``LLM`` class takes 4096 on CPU): bench/RESULTS.md, forty-second session,
+has the standings at both.
+
 The first line names the Pagoda revision the runs load (HEAD, and whether the engine's, kernels' or
 router's sources differ from it). Their digest is taken again at the end: an edit while the command
 runs (a Pagoda run imports the Python and builds the C++ kernels when it starts, so a later run can
@@ -200,7 +205,8 @@ def revision(root: Path = ROOT) -> str:
     return head + (" with uncommitted changes to its sources" if changed else "")
 
 
-def run_engine(engine: str, args) -> dict:
+def engine_command(engine: str, args) -> tuple[str, list[str], dict]:
+    """The interpreter, bench/engine_runner.py command line and environment of one engine's run."""
     cmd = ["bench/engine_runner.py", "--engine", engine, "--dtype", args.dtype]
     env = dict(START_ENV)
     if engine == "vllm":
@@ -229,8 +235,15 @@ def run_engine(engine: str, args) -> dict:
         cmd += ["--workload", wl]
         if engine == "pagoda" and args.matmul_dtype:
             cmd += ["--matmul-dtype", args.matmul_dtype]
+    if engine in ("pagoda", "vllm") and args.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if engine in ("pagoda", "vllm") and args.num_speculative_tokens:
         cmd += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    return py, cmd, env
+
+
+def run_engine(engine: str, args) -> dict:
+    py, cmd, env = engine_command(engine, args)
     t = time.perf_counter()
     proc = subprocess.run([py, *cmd], cwd=ROOT, env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -292,11 +305,15 @@ def main() -> int:
     ap.add_argument("--num-speculative-tokens", type=int, default=0,
                     help="Pagoda and vLLM alike: speculative decoding by prompt lookup, this many draft tokens a "
                          "step (0: off, the default and the like-for-like setting)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="Pagoda's and vLLM's step token budget (default: each engine's own)")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--repeat", type=int, default=1, help="run the engine list this many times, round-robin")
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        ap.error("--max-num-batched-tokens must be >= 1")
 
     digest = source_digest()
     print(f"Pagoda {revision()} (sources {digest})", flush=True)

@@ -99,3 +99,22 @@ def test_closing_lines_judge_no_target_when_the_sources_changed(compare):
     assert "abc" in changed[0] and "def" in changed[0] and "no target is judged" in changed[0]
     assert compare.closing_lines(pagoda, rows, "bfloat16", ("abc", "abc"), speculative=True) == []
     assert compare.closing_lines(None, rows[1:], "bfloat16", ("abc", "abc"), speculative=False) == []
+
+
+def test_step_budget_goes_to_pagoda_and_vllm_only(compare, tmp_path, monkeypatch):
+    venv = tmp_path / "vllm"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    monkeypatch.setattr(compare, "VLLM_VENV", venv)
+    args = compare.argparse.Namespace(dtype="bfloat16", workload="W", hf_workload="W-small", matmul_dtype=None,
+                                      num_speculative_tokens=0, max_num_batched_tokens=4096)
+    for engine in ("pagoda", "vllm", "hf-single"):
+        if engine == "vllm":
+            monkeypatch.setattr("engine_service.model_loader.resolve_model_dir", lambda name: "/model")
+        py, cmd, env = compare.engine_command(engine, args)
+        budget = cmd[cmd.index("--max-num-batched-tokens") + 1] if "--max-num-batched-tokens" in cmd else None
+        assert budget == ("4096" if engine in ("pagoda", "vllm") else None), (engine, cmd)
+        if engine == "vllm":
+            assert py == str(venv / "bin" / "python") and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    args.max_num_batched_tokens = None
+    assert "--max-num-batched-tokens" not in compare.engine_command("pagoda", args)[1]
