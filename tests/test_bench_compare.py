@@ -106,11 +106,10 @@ def test_step_budget_goes_to_pagoda_and_vllm_only(compare, tmp_path, monkeypatch
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
     monkeypatch.setattr(compare, "VLLM_VENV", venv)
+    monkeypatch.setattr("engine_service.model_loader.resolve_model_dir", lambda name: "/model")  # no GGUF conversion
     args = compare.argparse.Namespace(dtype="bfloat16", workload="W", hf_workload="W-small", matmul_dtype=None,
                                       num_speculative_tokens=0, max_num_batched_tokens=4096)
     for engine in ("pagoda", "vllm", "hf-single"):
-        if engine == "vllm":
-            monkeypatch.setattr("engine_service.model_loader.resolve_model_dir", lambda name: "/model")
         py, cmd, env = compare.engine_command(engine, args)
         budget = cmd[cmd.index("--max-num-batched-tokens") + 1] if "--max-num-batched-tokens" in cmd else None
         assert budget == ("4096" if engine in ("pagoda", "vllm") else None), (engine, cmd)
