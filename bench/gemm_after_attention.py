@@ -41,6 +41,8 @@ def main() -> int:
     ap.add_argument("--spin-us", type=float, default=0.0,
                     help="busy-wait this long after the attention before the last o_proj")
     args = ap.parse_args()
+    if min(args.batch, args.context, args.layers, args.reps) < 1 or args.spin_us < 0:
+        ap.error("--batch, --context, --layers and --reps must be >= 1, --spin-us >= 0")
 
     import torch
 
