@@ -7,6 +7,7 @@ from engine_service.config import EngineConfig
 from engine_service.llm import LLM
 from engine_service.llm_engine import LLMEngine
 from engine_service.outputs import CompletionOutput, Logprob, RequestOutput
-from engine_service.sampling_params import SamplingParams, StructuredOutputsParams
+from engine_service.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind",
+           "RequestOutput", "CompletionOutput", "Logprob"]

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from engine_service.batch_rows import BatchRequest, BatchResult, Choice, RowError
-from engine_service.sampling_params import SamplingParams
+from engine_service.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagoda.batch")
 
@@ -69,6 +69,7 @@ class LocalBackend:
                     try:
                         prompt = (apply_chat_template(engine.tokenizer, req.messages) if req.endpoint == "chat"
                                   else req.prompt)
+                        req.params.output_kind = RequestOutputKind.FINAL_ONLY  # only finished rows are written
                         engine.add_request(request_id, prompt, req.params)
                     except RowError as e:
                         emit(req, e)

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from engine_service.config import EngineConfig
 from engine_service.llm_engine import LLMEngine, PromptType
 from engine_service.outputs import RequestOutput
-from engine_service.sampling_params import SamplingParams
+from engine_service.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagoda.llm")
 
@@ -74,8 +74,14 @@ class LLM:
         engine = self.llm_engine
         results: list[RequestOutput | None] = [None] * len(prompts)
         index_of: dict[str, int] = {}
+        final_only: dict[int, SamplingParams] = {}  # the caller's params, with outputs only at the end
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             rid = str(next(self._ids))
+            if isinstance(params, SamplingParams):
+                if id(params) not in final_only:
+                    final_only[id(params)] = params.clone()
+                    final_only[id(params)].output_kind = RequestOutputKind.FINAL_ONLY
+                params = final_only[id(params)]
             try:
                 request = engine.add_request(rid, prompt, params)
             except ValueError as e:

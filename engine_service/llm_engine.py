@@ -20,7 +20,7 @@ from engine_service.model_loader import (generation_eos_token_ids, iterate_weigh
 from engine_service.model_runner import ModelRunner, kv_bytes_per_block
 from engine_service.outputs import CompletionOutput, Logprob, RequestOutput
 from engine_service.sampler import SamplerOutput, make_generator
-from engine_service.sampling_params import SamplingParams
+from engine_service.sampling_params import RequestOutputKind, SamplingParams
 from engine_service.scheduler import Scheduler
 from engine_service.sequence import Request, RequestMetrics, Sequence, SequenceStatus
 from engine_service.spec_decode import accept
@@ -242,10 +242,12 @@ class LLMEngine:
         outputs = []
         for rid, stepped in touched.items():
             request = self.requests[rid]
-            if request.is_finished:
+            finished = request.is_finished
+            if finished:
                 request.metrics.finished_time = now
                 self._pop_request(rid)
-            outputs.append(self._make_output(request, stepped))
+            if finished or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(request, stepped))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob_row, now: float) -> bool:
@@ -317,24 +319,30 @@ class LLMEngine:
         return None
 
     def _make_output(self, request: Request, stepped: dict[int, int]) -> RequestOutput:
+        """The request's output now. ``stepped``: tokens each sequence gained this step, i.e. the
+        delta (``FINAL_ONLY`` hands out nothing before, so its delta is the whole completion)."""
+        kind = request.params.output_kind
         completions = []
         for seq in sorted(request.seqs, key=lambda s: s.index):
             finished = seq.is_finished
             det = seq.detokenizer
             delta_text = det.get_delta(finished) if det is not None else ""
-            new = stepped.get(seq.seq_id, 0)
             out_ids = seq.token_ids[seq.num_prompt_tokens:]
+            new = len(out_ids) if kind == RequestOutputKind.FINAL_ONLY else stepped.get(seq.seq_id, 0)
+            delta_ids = out_ids[len(out_ids) - new:] if new else []
+            delta_logprobs = seq.logprobs[-new:] if (new and seq.logprobs) else None
+            delta = kind == RequestOutputKind.DELTA
             completions.append(CompletionOutput(
                 index=seq.index,
-                text=det.output_text if det is not None else "",
-                token_ids=out_ids,
+                text=delta_text if delta else (det.output_text if det is not None else ""),
+                token_ids=delta_ids if delta else out_ids,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=seq.logprobs,
+                logprobs=((delta_logprobs or []) if seq.logprobs is not None else None) if delta else seq.logprobs,
                 finish_reason=seq.status.finish_reason,
                 stop_reason=seq.stop_reason,
                 delta_text=delta_text,
-                delta_token_ids=out_ids[len(out_ids) - new:] if new else [],
-                delta_logprobs=seq.logprobs[-new:] if (new and seq.logprobs) else None,
+                delta_token_ids=delta_ids,
+                delta_logprobs=delta_logprobs,
             ))
         return RequestOutput(
             request_id=request.request_id,

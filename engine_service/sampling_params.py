@@ -1,6 +1,7 @@
 """Per-request sampling parameters, with vLLM's field names and meanings."""
 from __future__ import annotations
 
+import enum
 import json as _json
 from dataclasses import dataclass, field, fields
 
@@ -71,6 +72,21 @@ class StructuredOutputsParams:
         return self.kind + ("/compact" if self.disable_any_whitespace else ""), str(value)
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What the engine hands out for a request at each step (vLLM's names and values).
+
+    ``CUMULATIVE``: an output every step, ``text`` / ``token_ids`` / ``logprobs`` the whole
+    completion so far (the ``delta_*`` fields this step's part). ``DELTA``: an output every step,
+    holding only this step's part. ``FINAL_ONLY``: one output, when the request finishes, with the
+    whole completion (``LLM.generate`` and ``LLM.chat`` ask for this: nothing is built for the steps
+    in between).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completions.
@@ -99,6 +115,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # A JSON schema / regex / choice / grammar the output must follow (a dict is converted).
     structured_outputs: StructuredOutputsParams | dict | None = None
     # Filled in by the engine from the model's generation config (EOS ids beyond the tokenizer's).
@@ -120,6 +137,11 @@ class SamplingParams:
                              f"got {type(self.structured_outputs).__name__}")
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, bool):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                pass  # _verify names the field
         self._verify()
         self.all_stop_token_ids = set(self.stop_token_ids)
 
@@ -161,6 +183,8 @@ class SamplingParams:
             fail("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "a list of non-negative integers")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail("output_kind", "a RequestOutputKind (CUMULATIVE 0, DELTA 1 or FINAL_ONLY 2)")
 
     @property
     def greedy(self) -> bool:

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine_service import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine_service import LLM, EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
 from tests.hf_reference import hf_greedy
 
 
@@ -158,6 +158,55 @@ def test_step_api_streams_deltas_and_abort_frees_blocks(tiny_llama_dir, prompts,
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_output_kinds_hand_out_the_same_completion(tiny_llama_dir, prompts, reference):
+    """CUMULATIVE, DELTA and FINAL_ONLY requests batched together: each kind's outputs add up to the
+    same tokens, text and logprobs; FINAL_ONLY hands out one output, at the end."""
+    engine = LLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32"))
+    tok = engine.tokenizer
+    kinds = list(RequestOutputKind)
+    for kind in kinds:
+        for i in range(2):
+            engine.add_request(f"{kind.name}-{i}", prompts[i],
+                               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2, n=2,
+                                              output_kind=kind))
+    seen: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    for i in range(2):
+        want = reference[i][:12]
+        cumulative = seen[f"CUMULATIVE-{i}"]
+        assert len(cumulative) > 1 and cumulative[-1].finished and not any(o.finished for o in cumulative[:-1])
+        final = cumulative[-1].outputs
+        delta = seen[f"DELTA-{i}"]
+        assert len(delta) == len(cumulative) and delta[-1].finished
+        only = seen[f"FINAL_ONLY-{i}"]
+        assert len(only) == 1 and only[0].finished
+        for j in range(2):  # n=2 greedy: both completions are the reference
+            assert final[j].token_ids == want and final[j].text == tok.decode(want, skip_special_tokens=True)
+            assert len(final[j].logprobs) == 12
+            ids = [t for o in delta for t in o.outputs[j].token_ids]
+            assert ids == want == [t for o in delta for t in o.outputs[j].delta_token_ids]
+            assert "".join(o.outputs[j].text for o in delta) == final[j].text
+            assert [lp for o in delta for lp in o.outputs[j].logprobs] == final[j].logprobs
+            assert delta[-1].outputs[j].cumulative_logprob == pytest.approx(final[j].cumulative_logprob)
+            c = only[0].outputs[j]
+            assert c.token_ids == c.delta_token_ids == want
+            assert c.text == c.delta_text == final[j].text
+            assert c.logprobs == c.delta_logprobs == final[j].logprobs
+            assert c.cumulative_logprob == pytest.approx(final[j].cumulative_logprob)
+            assert c.finish_reason == final[j].finish_reason == "length"
+    # LLM.generate asks for FINAL_ONLY on its own copy: the caller's params are left as they were.
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    out = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference[0][:12] and params.output_kind == RequestOutputKind.CUMULATIVE
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
+    for bad in (3, "final", True):
+        with pytest.raises(ValueError, match=r"SamplingParams.output_kind must be a RequestOutputKind"):
+            SamplingParams(output_kind=bad)
 
 
 def test_bad_requests_fail_alone(tiny_llama_dir, prompts, reference):
