@@ -11,8 +11,9 @@ CPU has AVX512-BF16 or AMX). Prints medians of: o_proj straight after the attent
 o_proj again (hot); an 8-row GEMM on a different weight straight after the attention, and o_proj
 after it; an OpenMP region of ours (RMSNorm of 512 rows) after the attention, and o_proj after it;
 a one-thread op (a 9 KB clone) after the attention, and o_proj after it; o_proj after a busy-wait
-of ``--spin-us`` in Python following the attention. bench/RESULTS.md (thirteenth and forty-third
-sessions) reads these. Python runs between the timed ops, unlike in the engine's one C++ call for
+of ``--spin-us`` in Python following the attention. Then the same clone after other work: the
+attention, a 128 MB read, a 64 MB write, 20 hot o_proj GEMMs, a 4 ms sleep, or the clone itself.
+bench/RESULTS.md (thirteenth, forty-third and forty-fourth sessions) reads these. Python runs between the timed ops, unlike in the engine's one C++ call for
 the decoder layers, so the costs read here bound the engine's from above.
 """
 from __future__ import annotations
@@ -122,6 +123,29 @@ def main() -> int:
           f"{args.reps * nl} calls")
     for n in names:
         print(f"  {n:50s} {statistics.median(times[n]) * 1e6:8.1f} us")
+
+    # The same one-thread clone after other kinds of work: is its cost the attention's instruction
+    # mix, or that any large sweep of memory leaves the caller's code and data cold?
+    big = torch.ones(64 << 20, dtype=torch.bfloat16)  # 128 MB
+    x_gemm = torch.randn(256, 576).bfloat16()
+    before = {
+        "decode attention": lambda i: attend(i),
+        "a 128 MB read (torch sum)": lambda i: big.sum(),
+        "a 64 MB write (torch fill_)": lambda i: big[: 32 << 20].fill_(1.0),
+        "20 hot o_proj GEMMs, 256 rows": lambda i: [gemm(x_gemm, w_other) for _ in range(20)],
+        "a 4 ms sleep": lambda i: time.sleep(0.004),
+        "the same clone (hot)": lambda i: x_small.clone(),
+    }
+    after: dict[str, list[float]] = {n: [] for n in before}
+    for rep in range(args.reps * nl // 4 + 1):
+        for n, work in before.items():
+            work(rep)
+            t = timed(lambda: x_small.clone())
+            if rep:
+                after[n].append(t)
+    print(f"9 KB clone (one thread) after ...; medians of {args.reps * nl // 4} calls")
+    for n in before:
+        print(f"  {n:50s} {statistics.median(after[n]) * 1e6:8.1f} us")
     return 0
 
 
