@@ -74,7 +74,7 @@ def main() -> int:
     # plain and fused, keyed by their weight's N x K as the oneDNN ones are: the packed weight is
     # [N / 64, ...] in either layout.
     ops = engine.runner.layer_ops
-    for name in ("gemm_linear", "gemm_linear_silu_mul", "gemm_linear_rotary_qkv_to_cache"):
+    for name in ("gemm_linear", "gemm_linear_silu_mul", "gemm_linear_rotary_qkv_to_cache", "gemm_linear_argmax"):
         if hasattr(ops, name):
             setattr(ops, name, lambda x, packed, *a, _fn=getattr(ops, name), **k: timed_gemm(
                 lambda: _fn(x, packed, *a, **k), x, lambda y: (packed.shape[0] * GEMM_BLOCK_N, x.shape[-1])))

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from engine_runner import drive, load_workload, pagoda_adder, warm_up_pagoda  # noqa: E402
 
 OPS = ("silu_and_mul", "rotary_qkv_to_cache", "rms_norm", "gemm_linear", "gemm_linear_silu_mul",
-       "gemm_linear_rotary_qkv_to_cache")
+       "gemm_linear_rotary_qkv_to_cache", "gemm_linear_argmax")
 
 
 def bucket(rows: int) -> str:

@@ -68,10 +68,12 @@ def main() -> int:
     for name in ("decode", "prefill", "write_kv"):
         setattr(runner.attn, name, timed(getattr(runner.attn, name), f"attention.{name}"))
     for name in ("rms_norm", "rotary", "rotary_qkv_to_cache", "silu_and_mul", "gemm_linear", "gemm_linear_silu_mul",
-                 "gemm_linear_rotary_qkv_to_cache"):
+                 "gemm_linear_argmax", "gemm_linear_rotary_qkv_to_cache"):
         if hasattr(runner.layer_ops, name):
             setattr(runner.layer_ops, name, timed(getattr(runner.layer_ops, name), f"layer_ops.{name}"))
     runner.model.compute_logits = timed(runner.model.compute_logits, "LM head (compute_logits)")
+    # an all-greedy step's LM head with its argmax, where it runs on Pagoda's GEMM
+    runner.model.greedy_tokens = timed(runner.model.greedy_tokens, "LM head (greedy_tokens)")
     runner.model.forward = timed(runner.model.forward, "model forward")
     runner.execute = timed(runner.execute, "runner.execute")
     engine.scheduler.schedule = timed(engine.scheduler.schedule, "scheduler.schedule")
@@ -89,7 +91,7 @@ def main() -> int:
         print(f"| {label} | {s:.2f} | {100 * s / elapsed:.1f}% | {calls[label]} |")
     print("(model forward contains linear, attention and layer_ops; runner.execute contains the forward, "
           "the LM head and sampling; the LM head's GEMM is also in linear, or in layer_ops.gemm_linear where it runs on "
-          "Pagoda's GEMM (AVX512-BF16 without AMX, or the float32 kernel); with AVX512-BF16 or AMX the layers' "
+          "Pagoda's GEMM, and an all-greedy step's LM head is greedy_tokens = layer_ops.gemm_linear_argmax; with AVX512-BF16 or AMX the layers' "
           "GEMMs are layer_ops.gemm_* (with AMX up to 1024 rows), the fused ones including silu * up / rotary "
           "+ KV write)")
     return 0

@@ -244,7 +244,7 @@ class ModelRunner:
                             self.kv_caches, meta, self.attn, self.layer_ops, keep)
         if not rows:
             return [], None
-        logits = self.model.compute_logits(hidden.index_select(0, rows_t.to(self.device)))
+        hidden = hidden.index_select(0, rows_t.to(self.device))
         batch = SamplingBatch(
             params=[s.params for s in sampled],
             prompt_token_ids=[s.request.prompt_token_ids for s in sampled],
@@ -252,4 +252,10 @@ class ModelRunner:
             generators=[s.generator for s in sampled],
             structured=structured_output.batch(sampled) if structured_output is not None else None,
         )
-        return sampled, self.sampler(logits, batch)
+        if self.sampler.argmax_only(batch):
+            # Greedy rows only: the argmax inside the LM head's GEMM where it runs on ours (the
+            # same index as the sampler's argmax of the logits, which are then never written).
+            tokens = self.model.greedy_tokens(hidden, self.sampler.vocab_size)
+            if tokens is not None:
+                return sampled, SamplerOutput(tokens, None, None, None)
+        return sampled, self.sampler(self.model.compute_logits(hidden), batch)

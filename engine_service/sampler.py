@@ -67,8 +67,19 @@ class Sampler:
         # The all-greedy batch's argmax (first maximum per row): a layer-ops kernel where there is one.
         self.argmax = argmax or TorchLayerOps().argmax
 
+    @staticmethod
+    def argmax_only(batch: SamplingBatch) -> bool:
+        """Whether every row just takes the argmax of its logits as they are: greedy, no
+        penalties, no min_tokens still to reach, no logprobs, no grammar."""
+        return batch.structured is None and all(
+            p.greedy and p.logprobs is None and not _has_penalties(p) and len(out) >= p.min_tokens
+            for p, out in zip(batch.params, batch.output_token_ids))
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits[:, : self.vocab_size]
+        if self.argmax_only(batch):
+            # The first-maximum index, on the logits as they are (no widening to float32 first).
+            return SamplerOutput(self.argmax(logits), None, None, None)
         params = batch.params
         num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         penalized = [i for i, p in enumerate(params) if _has_penalties(p)]
@@ -77,9 +88,6 @@ class Sampler:
         ]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         structured = batch.structured
-        if not (random_rows or penalized or min_tokens_rows or num_logprobs or structured):
-            # The first-maximum index, on the logits as they are (no widening to float32 first).
-            return SamplerOutput(self.argmax(logits), None, None, None)
 
         logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if num_logprobs else None

@@ -104,6 +104,7 @@ class CpuLayerOps(TorchLayerOps):
         self.gemm_max_rows = AMX_GEMM_MAX_ROWS if torch.ops.pagoda_cpu.gemm_uses_amx() else None
         self._gemm_linear = torch.ops.pagoda_cpu.gemm_linear.default
         self._gemm_linear_silu_mul = torch.ops.pagoda_cpu.gemm_linear_silu_mul.default
+        self._gemm_linear_argmax = torch.ops.pagoda_cpu.gemm_linear_argmax.default
         self._gemm_linear_rotary_to_cache = torch.ops.pagoda_cpu.gemm_linear_rotary_to_cache.default
         self._decoder_layers = torch.ops.pagoda_cpu.decoder_layers.default
         self.runs_decoder_layers = True
@@ -172,6 +173,13 @@ class CpuLayerOps(TorchLayerOps):
         result does not depend on M."""
         out = torch.empty((x.shape[0], packed.shape[0] * GEMM_BLOCK_N), dtype=x.dtype)
         self._gemm_linear(x, packed, out)
+        return out
+
+    def gemm_linear_argmax(self, x: torch.Tensor, packed: torch.Tensor, valid: int) -> torch.Tensor:
+        """argmax(gemm_linear(x, packed)[:, :valid], -1) (first maximum, a NaN the maximum: as
+        ``argmax``), bit for bit, without writing the logits: greedy sampling from the LM head."""
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        self._gemm_linear_argmax(x, packed, valid, out)
         return out
 
     def gemm_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -209,6 +209,37 @@ def test_output_kinds_hand_out_the_same_completion(tiny_llama_dir, prompts, refe
             SamplingParams(output_kind=bad)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_steps_take_the_argmax_inside_the_lm_head_with_the_same_tokens(tiny_llama_dir, prompts, dtype):
+    """A step whose rows are all plain greedy takes its tokens from the LM head's GEMM
+    (``greedy_tokens``: the logits are never written) where that runs on Pagoda's GEMM: the same
+    tokens as the sampler's argmax of the logits; a step with any other row computes the logits."""
+    llm = LLM(tiny_llama_dir, dtype=dtype, max_num_batched_tokens=64)
+    model = llm.llm_engine.runner.model
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    fused = []
+    greedy_tokens = model.greedy_tokens
+
+    def counted(hidden, vocab_size):
+        tokens = greedy_tokens(hidden, vocab_size)
+        fused.append(tokens is not None)
+        return tokens
+
+    model.greedy_tokens = counted
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)]
+    model.greedy_tokens = lambda hidden, vocab_size: None  # the logits, then the sampler's argmax
+    want = [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)]
+    assert got == want
+    ours = llm.llm_engine.runner.bf16_gemm if dtype == "bfloat16" else llm.llm_engine.runner.f32_gemm
+    assert fused and all(fused) == bool(ours) and any(fused) == bool(ours)
+    # Logprobs (or any sampled row) in a step: that step computes the logits and counts nothing here.
+    model.greedy_tokens = counted
+    fused.clear()
+    out = llm.generate(batch[0], SamplingParams(temperature=0, max_tokens=4, logprobs=1), use_tqdm=False)[0]
+    assert not fused and len(out.outputs[0].logprobs) == 4 and out.outputs[0].token_ids == want[0][:4]
+
+
 def test_bad_requests_fail_alone(tiny_llama_dir, prompts, reference):
     llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=200)
     engine = llm.llm_engine
@@ -277,12 +308,16 @@ def _logits_per_step(llm: LLM, prompts: list[list[int]], params: list[SamplingPa
         steps.append(compute_logits(hidden).clone())  # as computed, before the sampler sees it
         return steps[-1]
 
+    def no_tokens(hidden, vocab_size):
+        return None
+
     def recording_forward(input_ids, positions, kv_caches, meta, attn, ops=None, keep=None):
         # The last layer's rows (it may run in C++ with the others: LlamaForCausalLM.layer_stack).
         last_rows.append(input_ids.shape[0] if keep is None else keep.index.shape[0])
         return forward(input_ids, positions, kv_caches, meta, attn, ops, keep)
 
-    model.compute_logits, model.forward = recording_compute_logits, recording_forward
+    # Every step through compute_logits: no argmax inside the LM head's GEMM for greedy-only steps.
+    model.compute_logits, model.forward, model.greedy_tokens = recording_compute_logits, recording_forward, no_tokens
     try:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(str(i), {"prompt_token_ids": p}, sp)
@@ -291,7 +326,7 @@ def _logits_per_step(llm: LLM, prompts: list[list[int]], params: list[SamplingPa
             for out in engine.step():
                 outputs[out.request_id] = [c.token_ids for c in out.outputs]
     finally:
-        del model.compute_logits, model.forward
+        del model.compute_logits, model.forward, model.greedy_tokens
         runner.prune_last_layer = True
     return steps, outputs, last_rows
 

@@ -289,6 +289,41 @@ def test_gemm_linear_rotary_qkv_to_cache_is_the_gemm_then_rotary_qkv_to_cache(op
                                            torch.full((cached,), blocks * bs))
 
 
+@pytest.mark.parametrize("dtype,w_dtype,float32_kernel", [
+    *(pytest.param(*form.values, False, id=form.id) for form in GEMM_FORMS),
+    pytest.param(torch.bfloat16, torch.bfloat16, True, id="bf16-on-the-float32-kernel")])
+def test_gemm_linear_argmax_is_the_argmax_of_gemm_linear(ops, dtype, w_dtype, float32_kernel):
+    """Greedy sampling inside the LM head's GEMM: the index argmax() finds on gemm_linear's output,
+    ties (duplicated weight rows: the first column wins, also across blocks and threads), NaN
+    (the first NaN wins), columns past ``valid`` ignored, at any row count."""
+    cpu = _gemm_ops(ops, torch.float32 if float32_kernel else w_dtype)
+    g = torch.Generator().manual_seed(11)
+    n, k = 1024, 576
+    w = (0.05 * torch.randn(n, k, generator=g)).to(w_dtype)
+    w[700] = w[3]  # the same logit at columns 3 and 700 (different blocks): 3 wins where it is the max
+    w[5] = w[4]  # and at 4 and 5 (one block)
+    x = (3 * torch.randn(300, k, generator=g)).to(dtype)
+    x[10] = w[3].to(dtype) * 50  # row 10's maximum at 3 (and 700)
+    x[11] = w[4].to(dtype) * 50  # row 11's at 4 (and 5)
+    packed = cpu.gemm_pack(w, float32_kernel=float32_kernel)
+    logits = cpu.gemm_linear(x, packed)
+    for valid in (n, 1000, 650, 1):
+        want = cpu.argmax(logits[:, :valid].contiguous())
+        assert torch.equal(want, logits[:, :valid].float().max(-1).indices)
+        for rows in (300, 257, 40, 7, 1):
+            got = cpu.gemm_linear_argmax(x[-rows:].contiguous(), packed, valid)
+            assert got.dtype == torch.long and torch.equal(got, want[-rows:])
+    assert cpu.gemm_linear_argmax(x[10:12].contiguous(), packed, n).tolist() == [3, 4]
+    nan_w = w.clone()
+    nan_w[600] = float("nan")  # column 600 is NaN in every row: every row's argmax
+    nan_w[900] = float("nan")
+    got = cpu.gemm_linear_argmax(x, cpu.gemm_pack(nan_w, float32_kernel=float32_kernel), n)
+    assert got.tolist() == [600] * 300
+    for bad in (0, n + 1):
+        with pytest.raises(RuntimeError, match="valid must be in"):
+            cpu.gemm_linear_argmax(x, packed, bad)
+
+
 def test_bf16_weights_on_the_float32_kernel_give_what_their_float32_copies_give(ops):
     """A bf16 model on a CPU without bf16 dot products keeps its bf16 weights, packed for the
     float32 kernel (``gemm_pack(w, float32_kernel=True)``), which widens each block as it goes:

@@ -179,9 +179,9 @@ def test_tied_lm_head_on_the_float32_kernel_keeps_its_bf16_weight():
 
 
 def test_tied_lm_head_on_the_bf16_kernel():
-    """A bf16 model on a CPU with AVX512-BF16 and no AMX: the tied LM head multiplies the embedding
-    table packed for our bf16 GEMM, as the decoder layers do (as fast as oneDNN's at every row
-    count, and not held up by a preempted thread); with AMX it stays on oneDNN."""
+    """A bf16 model on a CPU with AVX512-BF16 or AMX: the tied LM head multiplies the embedding
+    table packed for our bf16 GEMM, as the decoder layers do (as fast as oneDNN's, and not held up
+    by a preempted thread), and greedy rows take their argmax inside that GEMM."""
     ops = _cpu_layer_ops()
     if not getattr(ops, "bf16_gemm", False):
         pytest.skip("this CPU has neither AVX512-BF16 nor AMX-BF16: no bf16 GEMM of ours")
@@ -190,10 +190,9 @@ def test_tied_lm_head_on_the_bf16_kernel():
     hidden = torch.randn(5, 64).to(torch.bfloat16)
     logits = model.compute_logits(hidden)
     assert logits.shape == (5, 640) and logits.dtype == torch.bfloat16
-    if ops.gemm_max_rows is not None:  # AMX
-        assert model.tied_lm_head_gemm is None and model.tied_lm_head_packed is not None
-    else:
-        assert model.tied_lm_head_gemm.dtype == torch.bfloat16 and model.tied_lm_head_packed is None
-        assert torch.equal(logits, ops.gemm_linear(hidden, model.tied_lm_head_gemm))  # the head's route
+    assert model.tied_lm_head_gemm.dtype == torch.bfloat16 and model.tied_lm_head_packed is None
+    assert torch.equal(logits, ops.gemm_linear(hidden, model.tied_lm_head_gemm))  # the head's route
+    for vocab in (640, 600):
+        assert torch.equal(model.greedy_tokens(hidden, vocab), ops.argmax(logits[:, :vocab].contiguous()))
     want = (hidden.double() @ model.embed_tokens.weight.double().T).to(torch.bfloat16)
     assert ((logits.double() - want.double()).abs() <= 2 ** -7 * want.double().abs() + 1e-6).all()

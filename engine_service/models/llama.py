@@ -407,6 +407,19 @@ class LlamaForCausalLM(nn.Module):
             logits = linear(hidden, weight)
         return logits[:n]
 
+    def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """argmax(compute_logits(hidden)[:, :vocab_size], -1), bit for bit, straight from the LM
+        head's GEMM where it runs on ours (``gemm_linear_argmax``: the logits are never written);
+        None where it does not (the caller then takes the argmax of ``compute_logits``)."""
+        if self.tie_word_embeddings:
+            if self.tied_lm_head_gemm is None:
+                return None
+            return self.gemm_ops.gemm_linear_argmax(hidden, self.tied_lm_head_gemm, vocab_size)
+        head = self.lm_head
+        if not (head.takes_gemm(hidden.shape[0]) and hidden.dtype in (head.gemm_weight.dtype, torch.bfloat16)):
+            return None
+        return head.gemm_ops.gemm_linear_argmax(hidden, head.gemm_weight, vocab_size)
+
     def pack_gemm_weights(self, ops, float32_kernel: bool = False) -> None:
         """Pack the decoder layers' weights for Pagoda's own GEMMs (``Linear.pack_gemm``,
         ``LlamaMLP.pack_gemm``: gate/up only there, every layer only there where ``gemm_max_rows``
@@ -415,13 +428,12 @@ class LlamaForCausalLM(nn.Module):
         half the memory of float32 copies, the same bits; ``ops.gemm_pack``). The LM head goes there
         too (on the float32 kernel faster than oneDNN on a float32 copy at every row count a step
         hands it; on AVX512-BF16 as fast as oneDNN and, like every GEMM of ours, not held up by a
-        preempted thread: bench/RESULTS.md), except with AMX, where it stays on oneDNN."""
+        preempted thread: bench/RESULTS.md); with AMX as fast as oneDNN in a run of the shared
+        workload, and there too greedy rows then take their argmax in the GEMM (``greedy_tokens``)."""
         for layer in self.layers:
             layer.mlp.pack_gemm(ops, float32_kernel)
             for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
                 proj.pack_gemm(ops, float32_kernel)
-        if not float32_kernel and ops.gemm_max_rows is not None:
-            return  # AMX: oneDNN's LM head is faster above a few hundred rows (bench/RESULTS.md)
         if not self.tie_word_embeddings:
             self.lm_head.pack_gemm(ops, float32_kernel)
         elif self.embed_tokens.weight.dtype == torch.bfloat16 and self.config.vocab_size % 64 == 0:

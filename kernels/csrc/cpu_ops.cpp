@@ -1138,6 +1138,71 @@ void gemm_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out)
 #endif
 }
 
+// Greedy sampling straight from the LM head: out[r] = argmax (first maximum, a NaN the maximum:
+// argmax()'s rule) over the first `valid` columns of gemm_linear(x, packed)'s row r, without
+// writing the logits. The epilogue rounds each block row as gemm_linear stores it and keeps the
+// block's first maximum; the blocks' winners are then compared in column order, so the index is
+// the one argmax() finds on gemm_linear's output, bit for bit.
+void gemm_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t valid, at::Tensor& out) {
+  check_gemm(x, packed, "gemm_linear_argmax");
+  const int64_t m = x.size(0), groups = packed.size(0);
+  TORCH_CHECK(valid > 0 && valid <= groups * kGemmBlockN, "gemm_linear_argmax: valid must be in [1, ",
+              groups * kGemmBlockN, "], got ", valid);
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == m && out.scalar_type() == at::kLong && out.is_contiguous(),
+              "gemm_linear_argmax: out must be a contiguous int64 [M]");
+  const int64_t used = (valid + kGemmBlockN - 1) / kGemmBlockN;  // blocks with a valid column
+  // Each (row, block)'s winner: its value, and its column in the block (-1: a NaN there, first NaN).
+  std::vector<float> best(m * used);
+  std::vector<int8_t> where(m * used);
+  const bool f32 = x.scalar_type() == at::kFloat, round_f32_kernel = !f32 && f32_kernel(packed);
+  run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
+    if (g >= used) return;
+    const int64_t cols = std::min(kGemmBlockN, valid - g * kGemmBlockN);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* cr = c + r * kGemmBlockN;
+      int64_t j;
+      float v;
+      if (f32) {
+        j = argmax_row(cr, cols);
+        v = cr[j];
+      } else {
+        bf16_t row[kGemmBlockN];
+        if (round_f32_kernel) {
+          round_block_row(cr, row);
+        } else {
+#if PAGODA_GEMM_BF16
+          for (int64_t k = 0; k < kGemmBlockN; k += 16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + k), gemm_round16(cr + k));
+#endif
+        }
+        j = argmax_row(row, cols);
+        v = load(row[j]);
+      }
+      best[(r0 + r) * used + g] = v;
+      where[(r0 + r) * used + g] = std::isnan(v) ? static_cast<int8_t>(-1 - j) : static_cast<int8_t>(j);
+    }
+  });
+  int64_t* o = out.data_ptr<int64_t>();
+#pragma omp parallel for schedule(static) num_threads(threads_for(m * used))
+  for (int64_t r = 0; r < m; ++r) {
+    const float* b = best.data() + r * used;
+    const int8_t* w = where.data() + r * used;
+    int64_t bi = 0;
+    float bv = -INFINITY;
+    for (int64_t g = 0; g < used; ++g) {
+      if (w[g] < 0) {  // the first NaN of the row
+        bi = g * kGemmBlockN + (-1 - w[g]);
+        break;
+      }
+      if (b[g] > bv) {  // strict: the first block holding the maximum keeps it
+        bv = b[g];
+        bi = g * kGemmBlockN + w[g];
+      }
+    }
+    o[r] = bi;
+  }
+}
+
 // packed: the fused gate/up weight with its 64-column blocks interleaved (gate block i at 2i, up
 // block i at 2i + 1); out [M, I] = silu(gate) * up as silu_and_mul computes it from the GEMM output.
 void gemm_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
@@ -1415,6 +1480,8 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def("gemm_steals() -> int", TORCH_FN(gemm_steals));
   m.def("gemm_linear(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
   m.impl("gemm_linear", c10::DispatchKey::CPU, TORCH_FN(gemm_linear));
+  m.def("gemm_linear_argmax(Tensor x, Tensor packed, int valid, Tensor(a!) out) -> ()");
+  m.impl("gemm_linear_argmax", c10::DispatchKey::CPU, TORCH_FN(gemm_linear_argmax));
   m.def("gemm_linear_silu_mul(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
   m.impl("gemm_linear_silu_mul", c10::DispatchKey::CPU, TORCH_FN(gemm_linear_silu_mul));
   m.def("gemm_linear_rotary_to_cache(Tensor x, Tensor packed, Tensor positions, Tensor cos_table, Tensor sin_table, "
