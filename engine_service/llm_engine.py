@@ -331,13 +331,16 @@ class LLMEngine:
             new = len(out_ids) if kind == RequestOutputKind.FINAL_ONLY else stepped.get(seq.seq_id, 0)
             delta_ids = out_ids[len(out_ids) - new:] if new else []
             delta_logprobs = seq.logprobs[-new:] if (new and seq.logprobs) else None
-            delta = kind == RequestOutputKind.DELTA
+            if kind == RequestOutputKind.DELTA:
+                text, ids, logprobs = delta_text, delta_ids, seq.logprobs and (delta_logprobs or [])
+            else:
+                text, ids, logprobs = det.output_text if det is not None else "", out_ids, seq.logprobs
             completions.append(CompletionOutput(
                 index=seq.index,
-                text=delta_text if delta else (det.output_text if det is not None else ""),
-                token_ids=delta_ids if delta else out_ids,
+                text=text,
+                token_ids=ids,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=((delta_logprobs or []) if seq.logprobs is not None else None) if delta else seq.logprobs,
+                logprobs=logprobs,
                 finish_reason=seq.status.finish_reason,
                 stop_reason=seq.stop_reason,
                 delta_text=delta_text,

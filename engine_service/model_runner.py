@@ -252,7 +252,7 @@ class ModelRunner:
             generators=[s.generator for s in sampled],
             structured=structured_output.batch(sampled) if structured_output is not None else None,
         )
-        if self.sampler.argmax_only(batch):
+        if batch.argmax_only:
             # Greedy rows only: the argmax inside the LM head's GEMM where it runs on ours (the
             # same index as the sampler's argmax of the logits, which are then never written).
             tokens = self.model.greedy_tokens(hidden, self.sampler.vocab_size)

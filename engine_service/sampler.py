@@ -8,6 +8,7 @@ and drawing the random numbers of seeded rows from their own generators.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,15 @@ class SamplingBatch:
     output_token_ids: list[list[int]]  # per row: tokens generated so far (penalties, min_tokens)
     generators: list[torch.Generator | None]  # per row: a generator for seeded rows, None otherwise
     structured: "StructuredBatch | None" = None  # the rows under a grammar; None when there are none
+
+    @cached_property
+    def argmax_only(self) -> bool:
+        """Whether every row just takes the argmax of its logits as they are: greedy, no
+        penalties, no min_tokens still to reach, no logprobs, no grammar (worked out once a step:
+        the runner and the sampler both ask)."""
+        return self.structured is None and all(
+            p.greedy and p.logprobs is None and not _has_penalties(p) and len(out) >= p.min_tokens
+            for p, out in zip(self.params, self.output_token_ids))
 
 
 @dataclass
@@ -67,17 +77,9 @@ class Sampler:
         # The all-greedy batch's argmax (first maximum per row): a layer-ops kernel where there is one.
         self.argmax = argmax or TorchLayerOps().argmax
 
-    @staticmethod
-    def argmax_only(batch: SamplingBatch) -> bool:
-        """Whether every row just takes the argmax of its logits as they are: greedy, no
-        penalties, no min_tokens still to reach, no logprobs, no grammar."""
-        return batch.structured is None and all(
-            p.greedy and p.logprobs is None and not _has_penalties(p) and len(out) >= p.min_tokens
-            for p, out in zip(batch.params, batch.output_token_ids))
-
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits[:, : self.vocab_size]
-        if self.argmax_only(batch):
+        if batch.argmax_only:
             # The first-maximum index, on the logits as they are (no widening to float32 first).
             return SamplerOutput(self.argmax(logits), None, None, None)
         params = batch.params

@@ -875,6 +875,11 @@ void run_gemm_blocks(int64_t m, int64_t groups, int64_t group, Multiply&& multip
 #if PAGODA_GEMM_BF16
 // The GEMM output rounded to bf16 as oneDNN rounds it (vcvtneps2bf16).
 inline __m256i gemm_round16(const float* c) { return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c)); }
+// A block row of the bf16 kernels' fp32 sums as gemm_linear stores it.
+inline void gemm_round_block_row(const float* c, bf16_t* dst) {
+  for (int64_t j = 0; j < kGemmBlockN; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), gemm_round16(c + j));
+}
 inline __m512 bits_to_f32(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
 
 // c[rows][64] = a[rows][k] @ b for one 64-column block b [k/2][64][2] with AVX512-BF16 dot products
@@ -1130,10 +1135,7 @@ void gemm_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out)
 #if PAGODA_GEMM_BF16
   auto* o = static_cast<bf16_t*>(out.data_ptr());
   run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < kGemmBlockN; j += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (r0 + r) * ldo + g * kGemmBlockN + j),
-                            gemm_round16(c + r * kGemmBlockN + j));
+    for (int64_t r = 0; r < rows; ++r) gemm_round_block_row(c + r * kGemmBlockN, o + (r0 + r) * ldo + g * kGemmBlockN);
   });
 #endif
 }
@@ -1171,8 +1173,7 @@ void gemm_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t v
           round_block_row(cr, row);
         } else {
 #if PAGODA_GEMM_BF16
-          for (int64_t k = 0; k < kGemmBlockN; k += 16)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + k), gemm_round16(cr + k));
+          gemm_round_block_row(cr, row);
 #endif
         }
         j = argmax_row(row, cols);
@@ -1328,12 +1329,8 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
     return;
   }
 #if PAGODA_GEMM_BF16
-  const auto to_row = [](const float* c, bf16_t* row) {
-    for (int64_t j = 0; j < kGemmBlockN; j += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + j), gemm_round16(c + j));
-  };
   run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
-    rotary_to_cache_rows<bf16_t>(r0, rows, h, c, to_row, static_cast<bf16_t*>(q_out.data_ptr()),
+    rotary_to_cache_rows<bf16_t>(r0, rows, h, c, gemm_round_block_row, static_cast<bf16_t*>(q_out.data_ptr()),
                                  static_cast<bf16_t*>(key_cache.data_ptr()), static_cast<bf16_t*>(value_cache.data_ptr()),
                                  heads, kv_heads, slots, cached, pos, ct, st);
   });
