@@ -98,6 +98,9 @@ def run_pagoda(args, requests) -> dict:
     engine = llm.llm_engine
     if getattr(args, "python_layers", False):
         engine.runner.model.layer_stack = None  # bench/layer_stack_ab.py: the decoder layers from Python
+    if getattr(args, "no_fused_argmax", False):
+        # greedy steps compute the logits and take the sampler's argmax (before the LM head's argmax epilogue)
+        engine.runner.model.greedy_tokens = lambda hidden, vocab_size: None
 
     warm_up_pagoda(engine, requests)
     res = drive(engine, pagoda_adder(engine, args.detokenize), requests)
@@ -224,6 +227,9 @@ def main() -> int:
     ap.add_argument("--gguf", default=None, help="llamacpp: the bundled model's GGUF file")
     ap.add_argument("--python-layers", action="store_true",
                     help="pagoda: run the decoder layers from Python, not in one C++ call (LlamaForCausalLM.layer_stack)")
+    ap.add_argument("--no-fused-argmax", action="store_true",
+                    help="pagoda: greedy steps write the logits and take their argmax apart, not inside the LM head's "
+                         "GEMM (LlamaForCausalLM.greedy_tokens)")
     ap.add_argument("--no-detokenize", dest="detokenize", action="store_false",
                     help="pagoda: skip detokenization (vLLM detokenizes; the default keeps it on)")
     args = ap.parse_args()
