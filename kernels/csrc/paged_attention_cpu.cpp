@@ -6,14 +6,15 @@
 // int32 (rows may be strided).
 //
 // Decode (q / out [B, H, D] contiguous, seq_lens [B] int32): work is split into items (sequence,
-// all kv heads or one[, context slice]) run by OpenMP with a dynamic schedule, longest first. An
+// all kv heads or one[, context slice]) claimed in order by the threads (a dynamic schedule), longest first. An
 // item walks its sequence's tokens in spans of 32 (16 when many heads share a pass) and processes
 // the g = H / kvh query heads sharing a kv head together, so each K/V row is loaded from memory once
 // for all of them; the scores read each token's K rows of all the item's kv heads in one go (address
 // order). Online softmax (running max / sum), fp32 accumulators; bf16 uses vdpbf16ps for Q K^T and,
 // with P rounded to bf16, for P V. Blocks sit at random places, out of reach of the hardware
 // prefetchers, so each kv head's pass requests into L2 its part of the K and V rows a span or more
-// (~24 KB) ahead, one row per token of arithmetic. A context longer than a slice (2048 / threads
+// (~24 KB) ahead, one row per token of arithmetic, and on into the first rows of the item its thread
+// runs next (items are claimed one ahead). A context longer than a slice (2048 / threads
 // tokens, at least 256) is split into block-aligned slices (flash-decoding) whose partial results
 // are merged at the end; the slice size never depends on the batch, so neither does a row's
 // result. Consecutive rows that are one sequence's consecutive positions (a speculative step's
@@ -764,9 +765,16 @@ struct RowWalker {
 // an item of that row alone performs (the same spans, in the same order), so the same bits. Leaves
 // each row r's unnormalized accumulators in S[r].acc / S[r].m / S[r].l for the (kh1 - kh0) * g
 // query heads, in head order.
+//
+// next_bt / next_t0 / next_t1 (next_bt null: none): the item this thread runs next (same kv heads).
+// Once this item's own rows are all requested, the prefetch cursor runs on into the next item's
+// first tokens, so the next item starts with its rows on the way instead of waiting for them.
+// started: this item's first tokens were requested that way by the item before. Returns whether
+// the next item's first `ahead` tokens were all requested.
 template <typename T>
-void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int nr, int kh0, int kh1, int t0,
-              int t1, Scratch* S) {
+bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int nr, int kh0, int kh1, int t0,
+              int t1, Scratch* S, const int32_t* next_bt = nullptr, int next_t0 = 0, int next_t1 = 0,
+              bool started = false) {
   const int D = P.D, g = P.g;
   const int nheads = (kh1 - kh0) * g;
   const T* qrows[kMaxGroupRows];
@@ -808,9 +816,13 @@ void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   for (int t = t0; t < std::min(t1, t0 + ahead); ++t) {
     const void *k, *v;
     ahead_rows.next(k, v);
-    prefetch_range_l2(k, run);
-    prefetch_range_l2(v, run);
+    if (!started) {
+      prefetch_range_l2(k, run);
+      prefetch_range_l2(v, run);
+    }
   }
+  RowWalker<T> next_rows(P, kc, vc, next_bt ? next_bt : bt, kh0, next_t0);
+  int next_left = next_bt ? std::max(0, std::min(ahead, next_t1 - next_t0)) : 0;
   const void* krow[kSpan];
   const void* vrow[kSpan];
   SpanFn<T> fns[kMaxNH + 1];  // for a runtime kv-head count
@@ -838,10 +850,14 @@ void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
     const int n = std::min(span, t1 - ts);
     for (int t = 0; t < n; ++t) {
       rows.next(krow[t], vrow[t]);
-      if (ts + t + ahead < t1)
+      if (ts + t + ahead < t1) {
         ahead_rows.next(kpf[t], vpf[t]);  // token ts + t + ahead
-      else
+      } else if (next_left > 0) {
+        next_rows.next(kpf[t], vpf[t]);  // the next item's first tokens
+        --next_left;
+      } else {
         kpf[t] = vpf[t] = nullptr;
+      }
     }
     for (int kg = 0; kg < nkv; kg += kvg) {  // kv heads [kg, kg + A.nkv) of the item
       A.nkv = std::min(kvg, nkv - kg);
@@ -873,6 +889,7 @@ void run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   }
   for (int r = 0; r < nr; ++r)
     for (int h = 0; h < nheads; ++h) S[r].l[h] = vreduce_add(S[r].lsum[h]);
+  return next_bt != nullptr && next_left == 0;
 }
 
 // Work item: sequence b, kv heads [kh0, kh1), context tokens [t0, t1). sp < 0: the item covers the
@@ -980,13 +997,25 @@ void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, 
 
   const int64_t nitems = static_cast<int64_t>(items.size());
   const int64_t nmerges = static_cast<int64_t>(merges.size());
+  std::atomic<int64_t> next_item{0};
 #pragma omp parallel num_threads(nthreads)
   {
     std::vector<Scratch> SS(max_group, Scratch(P));
     Scratch& S = SS[0];
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < nitems; ++i) {
+    // Items are claimed in order, one ahead: a thread knows the item it runs next while it runs
+    // one, so run_item can request the next one's first rows (the same claims as a dynamic schedule
+    // of one item, each made one item earlier).
+    int64_t i = next_item.fetch_add(1, std::memory_order_relaxed);
+    bool started = false;
+    while (i < nitems) {
+      const int64_t i_next = next_item.fetch_add(1, std::memory_order_relaxed);
       const Item& it = items[i];
+      const Item* nx = i_next < nitems && items[i_next].t1 > items[i_next].t0 ? &items[i_next] : nullptr;
+      const int32_t* nbt = nx ? P.block_tables + static_cast<int64_t>(nx->b + nx->nr - 1) * P.bt_stride : nullptr;
+      const int nt0 = nx ? nx->t0 : 0, nt1 = nx ? nx->t1 : 0;
+      const bool was_started = started;
+      started = false;
+      i = i_next;
       const int nheads = (it.kh1 - it.kh0) * g;
       if (it.sp < 0) {
         T* ob = out + (static_cast<int64_t>(it.b) * P.H + static_cast<int64_t>(it.kh0) * g) * D;
@@ -994,13 +1023,15 @@ void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, 
           for (int e = 0; e < nheads * D; ++e) from_float(0.f, ob + e);
           continue;
         }
-        run_item<T>(P, q, kc, vc, it.b, it.nr, it.kh0, it.kh1, it.t0, it.t1, SS.data());
+        started = run_item<T>(P, q, kc, vc, it.b, it.nr, it.kh0, it.kh1, it.t0, it.t1, SS.data(), nbt, nt0, nt1,
+                              was_started);
         for (int r = 0; r < it.nr; ++r)
           write_out(SS[r].acc.data(), SS[r].l.data(), nheads, D, ob + static_cast<int64_t>(r) * P.H * D);
         continue;
       }
       const bool empty = it.t1 <= it.t0;  // a trailing slice left empty by the rounding to blocks
-      if (!empty) run_item<T>(P, q, kc, vc, it.b, 1, it.kh0, it.kh1, it.t0, it.t1, &S);
+      if (!empty)
+        started = run_item<T>(P, q, kc, vc, it.b, 1, it.kh0, it.kh1, it.t0, it.t1, &S, nbt, nt0, nt1, was_started);
       for (int kh = it.kh0; kh < it.kh1; ++kh) {
         const size_t slot = static_cast<size_t>(part_base[it.b] + static_cast<int64_t>(kh) * splits[it.b] + it.sp);
         const size_t h0 = static_cast<size_t>(kh - it.kh0) * g;
@@ -1016,7 +1047,8 @@ void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, 
         std::copy(S.acc.begin() + h0 * D, S.acc.begin() + (h0 + g) * D, pacc.begin() + slot * g * D);
       }
     }
-    // (implicit barrier) merge the slices of split sequences: out = sum_s w_s acc_s / sum_s w_s l_s
+    // merge the slices of split sequences: out = sum_s w_s acc_s / sum_s w_s l_s
+#pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < nmerges; ++i) {
       const int b = merges[i].first, kh = merges[i].second, ns = splits[b];
