@@ -758,6 +758,20 @@ struct RowWalker {
   }
 };
 
+// Work item: sequence b, kv heads [kh0, kh1), context tokens [t0, t1). sp < 0: the item covers the
+// whole sequence and writes the output directly; else it is slice sp of a split sequence and leaves
+// the unnormalized partials (acc, m, l) of each of its kv heads kh in slot part_base[b] + kh * splits[b] + sp.
+// nr > 1: rows b .. b + nr - 1 of one sequence, row b + r attending tokens [t0, t1 + r) (run_item).
+struct Item {
+  int b, nr, kh0, kh1, t0, t1, sp;
+};
+
+// The block-table row an item of rows b .. b + nr - 1 walks: the last row's, which covers every
+// row's tokens.
+inline const int32_t* item_block_table(const Params& P, int b, int nr) {
+  return P.block_tables + static_cast<int64_t>(b + nr - 1) * P.bt_stride;
+}
+
 // Attend rows b .. b + nr - 1, kv heads [kh0, kh1), context tokens [t0, t1 + r) for row b + r. nr > 1:
 // one sequence's consecutive positions (a speculative step's verified tokens, see group_rows),
 // whose block-table rows agree over the tokens they share: each span's K/V rows are read from
@@ -766,15 +780,14 @@ struct RowWalker {
 // each row r's unnormalized accumulators in S[r].acc / S[r].m / S[r].l for the (kh1 - kh0) * g
 // query heads, in head order.
 //
-// next_bt / next_t0 / next_t1 (next_bt null: none): the item this thread runs next (same kv heads).
-// Once this item's own rows are all requested, the prefetch cursor runs on into the next item's
-// first tokens, so the next item starts with its rows on the way instead of waiting for them.
-// started: this item's first tokens were requested that way by the item before. Returns whether
-// the next item's first `ahead` tokens were all requested.
+// next (null: none): the item this thread runs next (same kv heads). Once this item's own rows are
+// all requested, the prefetch cursor runs on into the next item's first tokens, so the next item
+// starts with its rows on the way instead of waiting for them. started: this item's first tokens
+// were requested that way by the item before. Returns whether the next item's first `ahead` tokens
+// were all requested.
 template <typename T>
 bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int nr, int kh0, int kh1, int t0,
-              int t1, Scratch* S, const int32_t* next_bt = nullptr, int next_t0 = 0, int next_t1 = 0,
-              bool started = false) {
+              int t1, Scratch* S, const Item* next = nullptr, bool started = false) {
   const int D = P.D, g = P.g;
   const int nheads = (kh1 - kh0) * g;
   const T* qrows[kMaxGroupRows];
@@ -790,7 +803,7 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   const int t1_first = t1;  // row 0's end; row r ends at t1_first + r
   t1 += nr - 1;  // the last row's end: its block-table row covers every row's tokens
 
-  const int32_t* bt = P.block_tables + static_cast<int64_t>(b + nr - 1) * P.bt_stride;
+  const int32_t* bt = item_block_table(P, b, nr);
   const int nkv = kh1 - kh0;
   const int64_t elt = sizeof(T);
   // kv heads per span call: the scores of kvg x g heads x kSpan tokens wait in S.tmp for the
@@ -821,8 +834,9 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
       prefetch_range_l2(v, run);
     }
   }
-  RowWalker<T> next_rows(P, kc, vc, next_bt ? next_bt : bt, kh0, next_t0);
-  int next_left = next_bt ? std::max(0, std::min(ahead, next_t1 - next_t0)) : 0;
+  RowWalker<T> next_rows(P, kc, vc, next ? item_block_table(P, next->b, next->nr) : bt, kh0,
+                         next ? next->t0 : 0);
+  int next_left = next ? std::max(0, std::min(ahead, next->t1 - next->t0)) : 0;
   const void* krow[kSpan];
   const void* vrow[kSpan];
   SpanFn<T> fns[kMaxNH + 1];  // for a runtime kv-head count
@@ -889,16 +903,9 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   }
   for (int r = 0; r < nr; ++r)
     for (int h = 0; h < nheads; ++h) S[r].l[h] = vreduce_add(S[r].lsum[h]);
-  return next_bt != nullptr && next_left == 0;
+  return next != nullptr && next_left == 0;
 }
 
-// Work item: sequence b, kv heads [kh0, kh1), context tokens [t0, t1). sp < 0: the item covers the
-// whole sequence and writes the output directly; else it is slice sp of a split sequence and leaves
-// the unnormalized partials (acc, m, l) of each of its kv heads kh in slot part_base[b] + kh * splits[b] + sp.
-// nr > 1: rows b .. b + nr - 1 of one sequence, row b + r attending tokens [t0, t1 + r) (run_item).
-struct Item {
-  int b, nr, kh0, kh1, t0, t1, sp;
-};
 
 // Rows run as one item (run_item): runs of consecutive rows that are one sequence's consecutive
 // positions (a speculative step's verified tokens), none split: each row one token longer than the
@@ -1011,8 +1018,6 @@ void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, 
       const int64_t i_next = next_item.fetch_add(1, std::memory_order_relaxed);
       const Item& it = items[i];
       const Item* nx = i_next < nitems && items[i_next].t1 > items[i_next].t0 ? &items[i_next] : nullptr;
-      const int32_t* nbt = nx ? P.block_tables + static_cast<int64_t>(nx->b + nx->nr - 1) * P.bt_stride : nullptr;
-      const int nt0 = nx ? nx->t0 : 0, nt1 = nx ? nx->t1 : 0;
       const bool was_started = started;
       started = false;
       i = i_next;
@@ -1023,15 +1028,14 @@ void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, 
           for (int e = 0; e < nheads * D; ++e) from_float(0.f, ob + e);
           continue;
         }
-        started = run_item<T>(P, q, kc, vc, it.b, it.nr, it.kh0, it.kh1, it.t0, it.t1, SS.data(), nbt, nt0, nt1,
-                              was_started);
+        started = run_item<T>(P, q, kc, vc, it.b, it.nr, it.kh0, it.kh1, it.t0, it.t1, SS.data(), nx, was_started);
         for (int r = 0; r < it.nr; ++r)
           write_out(SS[r].acc.data(), SS[r].l.data(), nheads, D, ob + static_cast<int64_t>(r) * P.H * D);
         continue;
       }
       const bool empty = it.t1 <= it.t0;  // a trailing slice left empty by the rounding to blocks
       if (!empty)
-        started = run_item<T>(P, q, kc, vc, it.b, 1, it.kh0, it.kh1, it.t0, it.t1, &S, nbt, nt0, nt1, was_started);
+        started = run_item<T>(P, q, kc, vc, it.b, 1, it.kh0, it.kh1, it.t0, it.t1, &S, nx, was_started);
       for (int kh = it.kh0; kh < it.kh1; ++kh) {
         const size_t slot = static_cast<size_t>(part_base[it.b] + static_cast<int64_t>(kh) * splits[it.b] + it.sp);
         const size_t h0 = static_cast<size_t>(kh - it.kh0) * g;
