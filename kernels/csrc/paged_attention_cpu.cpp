@@ -11,7 +11,8 @@
 // the g = H / kvh query heads sharing a kv head together, so each K/V row is loaded from memory once
 // for all of them; the scores read each token's K rows of all the item's kv heads in one go (address
 // order). Online softmax (running max / sum), fp32 accumulators; bf16 uses vdpbf16ps for Q K^T and,
-// with P rounded to bf16, for P V. Blocks sit at random places, out of reach of the hardware
+// with P rounded to bf16, for P V (SmolLM2's shapes: two tokens a score vector, all of a V row's
+// chunks in one walk over the span). Blocks sit at random places, out of reach of the hardware
 // prefetchers, so each kv head's pass requests into L2 its part of the K and V rows a span or more
 // (~24 KB) ahead, one row per token of arithmetic, and on into the first rows of the item its thread
 // runs next (items are claimed one ahead). A context longer than a slice (2048 / threads
@@ -163,6 +164,20 @@ inline __attribute__((always_inline)) V16 hsum16(const V16* a) {
   __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
   // e holds tokens in lane order 0,2,1,3,8,10,9,11,4,6,5,7,12,14,13,15 (an involution).
   const __m512i idx = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return {_mm512_permutexvar_ps(idx, e)};
+}
+// out lane t = sum of the 8 lanes of token t, where a[i] holds token 2i in its low 256 bits and
+// token 2i + 1 in its high ones (span_scores' paired tokens): hsum16's tree less its first level.
+inline __attribute__((always_inline)) V16 hsum_pairs(const V16* a) {
+  __m512 b[4], d[2];
+  for (int i = 0; i < 4; ++i)  // 128-bit chunks: tokens 2i, 2i + 1, 2i + 8, 2i + 9
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i].v, a[i + 4].v, 0x88),
+                         _mm512_shuffle_f32x4(a[i].v, a[i + 4].v, 0xDD));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(b[i], b[i + 2], 0x44), _mm512_shuffle_ps(b[i], b[i + 2], 0xEE));
+  __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  // e holds tokens in lane order 0,4,2,6,1,5,3,7,8,12,10,14,9,13,11,15 (an involution).
+  const __m512i idx = _mm512_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15);
   return {_mm512_permutexvar_ps(idx, e)};
 }
 // Inline asm rather than _mm_prefetch / __builtin_prefetch: gcc 12 deleted every prefetch of the
@@ -379,16 +394,22 @@ PAGODA_INLINE float softmax_span(V16* s, int n, float qscale, float& m, V16& lsu
   const V16 vscale = vset1(qscale);
   s[0] = vmask_ninf(vmul(s[0], vscale), std::min(n, kTile));
   s[1] = vmask_ninf(vmul(s[1], vscale), std::max(0, n - kTile));
-#if PAGODA_AVX512
-  const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(s[0].v, s[1].v));
-#else
-  const float tmax = std::max(vreduce_max(s[0]), vreduce_max(s[1]));
-#endif
   float alpha = 1.f;
-  if (tmax > m) {
-    alpha = std::exp2(m - tmax);  // 0 on the first span (m = -inf)
-    m = tmax;
-    lsum = vmul(lsum, vset1(alpha));
+#if PAGODA_AVX512
+  // Past the first spans the running max rarely moves: two lane-wise compares (true for a lane
+  // above m or a NaN) skip the horizontal reduction, whose only use is that test.
+  const __m512 vm = _mm512_set1_ps(m);
+  if (_mm512_cmp_ps_mask(s[0].v, vm, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(s[1].v, vm, _CMP_NLE_UQ)) {
+    const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(s[0].v, s[1].v));
+#else
+  {
+    const float tmax = std::max(vreduce_max(s[0]), vreduce_max(s[1]));
+#endif
+    if (tmax > m) {
+      alpha = std::exp2(m - tmax);  // 0 on the first span (m = -inf)
+      m = tmax;
+      lsum = vmul(lsum, vset1(alpha));
+    }
   }
   const V16 negm = vset1(-m);
   e[0] = vexp2_masked(vadd(s[0], negm), std::min(n, kTile));
@@ -413,33 +434,47 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
   const T* const* kpf = reinterpret_cast<const T* const*>(A.kpf);
 #if PAGODA_DPBF16
   if constexpr (std::is_same_v<T, bf16_t> && NKV > 0) {
-    static_assert(DT > 0 && DT % 32 == 0, "register-held queries need a compile-time head_dim, a multiple of 32");
-    constexpr int NC = DT / 32;
+    // Two tokens a vector: the low 256 bits hold token t's part of a chunk, the high token t + 1's,
+    // against the queries' chunk in both halves, so a token's products land in 8 lanes, not 16, and
+    // hsum_pairs has half the reduction tree to run. tmp[(kh * NH + j) * kSpan + t / 2] gets the
+    // pair's partial sums.
+    static_assert(DT > 0 && DT % 16 == 0, "paired tokens need a compile-time head_dim, a multiple of 16");
+    constexpr int NQ = DT / 16;
     (void)qf;
-    __m512bh qv[NKV][NH][NC];
+    __m512bh qd[NKV][NH][NQ];
     for (int kh = 0; kh < NKV; ++kh)
       for (int j = 0; j < NH; ++j)
-        for (int c = 0; c < NC; ++c)
-          qv[kh][j][c] = (__m512bh)_mm512_loadu_si512(qraw + (static_cast<size_t>(kh) * g + j) * DT + c * 32);
-    for (int t = 0; t < n; ++t) {
-      const bf16_t* kr = krow[t];
-      const bf16_t* pf = kpf ? kpf[t] : nullptr;
+        for (int c = 0; c < NQ; ++c)
+          qd[kh][j][c] = (__m512bh)_mm512_broadcast_i64x4(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qraw + (static_cast<size_t>(kh) * g + j) * DT + c * 16)));
+    const int npairs = (n + 1) / 2;
+    for (int p = 0; p < npairs; ++p) {
+      const int t = 2 * p;
+      const bool two = t + 1 < n;
+      const bf16_t* kr0 = krow[t];
+      const bf16_t* kr1 = two ? krow[t + 1] : kr0;  // an odd span's last lane group repeats token t (masked)
+      const bf16_t* pf0 = kpf ? kpf[t] : nullptr;
+      const bf16_t* pf1 = kpf && two ? kpf[t + 1] : nullptr;
 #pragma GCC unroll 16
       for (int kh = 0; kh < NKV; ++kh) {
-        if (pf) prefetch_range_l2(pf + kh * A.ks2, A.pf_bytes);
-        const bf16_t* kp = kr + kh * A.ks2;
+        if (pf0) prefetch_range_l2(pf0 + kh * A.ks2, A.pf_bytes);
+        if (pf1) prefetch_range_l2(pf1 + kh * A.ks2, A.pf_bytes);
+        const bf16_t* kp0 = kr0 + kh * A.ks2;
+        const bf16_t* kp1 = kr1 + kh * A.ks2;
         __m512 part[NH];
         for (int j = 0; j < NH; ++j) part[j] = _mm512_setzero_ps();
-        for (int c = 0; c < NC; ++c) {
-          const __m512bh kv = (__m512bh)_mm512_loadu_si512(kp + c * 32);
-          for (int j = 0; j < NH; ++j) part[j] = _mm512_dpbf16_ps(part[j], qv[kh][j][c], kv);
+        for (int c = 0; c < NQ; ++c) {
+          const __m512bh kv = (__m512bh)_mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp0 + c * 16))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp1 + c * 16)), 1);
+          for (int j = 0; j < NH; ++j) part[j] = _mm512_dpbf16_ps(part[j], qd[kh][j][c], kv);
         }
-        for (int j = 0; j < NH; ++j) tmp[(kh * NH + j) * kSpan + t].v = part[j];
+        for (int j = 0; j < NH; ++j) tmp[(kh * NH + j) * kSpan + p].v = part[j];
       }
     }
-    const int nfill = n <= kTile ? kTile : kSpan;
+    const int nfill = (n <= kTile ? kTile : kSpan) / 2;
     for (int r = 0; r < NKV * NH; ++r)
-      for (int t = n; t < nfill; ++t) tmp[r * kSpan + t] = vzero();
+      for (int p = npairs; p < nfill; ++p) tmp[r * kSpan + p] = vzero();
     return;
   }
 #endif
@@ -571,40 +606,61 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
     float alpha[NH];
     for (int j = 0; j < NH; ++j) {
       const V16* tj = tmp + (kh * NH + j) * kSpan;
-      V16 s[2] = {hsum16(tj), n > kTile ? hsum16(tj + kTile) : vzero()};
+      V16 s[2];
+      if constexpr (NKV > 0) {  // paired tokens (span_scores)
+        s[0] = hsum_pairs(tj);
+        s[1] = n > kTile ? hsum_pairs(tj + kTile / 2) : vzero();
+      } else {
+        s[0] = hsum16(tj);
+        s[1] = n > kTile ? hsum16(tj + kTile) : vzero();
+      }
       V16 e[2];
       alpha[j] = softmax_span(s, n, A.qscale, m[kh * g + j], lsum[kh * g + j], e);
       _mm512_store_si512(p16[j], (__m512i)_mm512_cvtne2ps_pbh(e[1].v, e[0].v));
     }
     float* acch = acc + static_cast<size_t>(kh) * g * D;
     const int64_t vo = kh * A.vs2;
-    for (int c = 0; c < nc; ++c) {
-      __m512 lo[NH], hi[NH];
-      for (int j = 0; j < NH; ++j) {
-        const __m512 al = _mm512_set1_ps(alpha[j]);
-        lo[j] = _mm512_mul_ps(_mm512_loadu_ps(acch + j * D + c * 32), al);
-        hi[j] = _mm512_mul_ps(_mm512_loadu_ps(acch + j * D + c * 32 + 16), al);
-      }
-      for (int tp = 0; tp < npairs; ++tp) {
-        if (c == 0 && vpf) {
-          if (vpf[2 * tp]) prefetch_range_l2(vpf[2 * tp] + vo, A.pf_bytes);
-          if (2 * tp + 1 < n && vpf[2 * tp + 1]) prefetch_range_l2(vpf[2 * tp + 1] + vo, A.pf_bytes);
-        }
-        const __m512i a = _mm512_loadu_si512(vrow[2 * tp] + vo + c * 32);
-        const __m512i b =
-            (odd && tp == npairs - 1) ? _mm512_setzero_si512() : _mm512_loadu_si512(vrow[2 * tp + 1] + vo + c * 32);
-        const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b);
-        const __m512bh vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    // CW 32-wide chunks a walk over the span's V rows: all of them where the 4 * CW * NH / 2
+    // accumulators fit the registers beside the rows (head_dim 64, up to 3 heads), so the walk's
+    // bookkeeping and P's broadcasts serve the whole row; else one. Each accumulator still adds the
+    // tokens in order: the same bits either way.
+    constexpr int CW = (DT > 0 && DT % 32 == 0 && 2 * (DT / 32) * NH <= 12) ? DT / 32 : 1;
+    for (int c0 = 0; c0 < nc; c0 += CW) {
+      __m512 lo[CW][NH], hi[CW][NH];
+      for (int w = 0; w < CW; ++w)
         for (int j = 0; j < NH; ++j) {
-          const __m512bh pw = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(p16[j])[tp]);
-          lo[j] = _mm512_dpbf16_ps(lo[j], vlo, pw);
-          hi[j] = _mm512_dpbf16_ps(hi[j], vhi, pw);
+          const __m512 al = _mm512_set1_ps(alpha[j]);
+          lo[w][j] = _mm512_mul_ps(_mm512_loadu_ps(acch + j * D + (c0 + w) * 32), al);
+          hi[w][j] = _mm512_mul_ps(_mm512_loadu_ps(acch + j * D + (c0 + w) * 32 + 16), al);
         }
-      }
-      for (int j = 0; j < NH; ++j) {
-        _mm512_storeu_ps(acch + j * D + c * 32, lo[j]);
-        _mm512_storeu_ps(acch + j * D + c * 32 + 16, hi[j]);
-      }
+      // Tokens 2 tp and 2 tp + 1 (LAST: an odd span's last token alone, its partner's terms zero).
+      const auto pair = [&](int tp, auto last) __attribute__((always_inline)) {
+        constexpr bool LAST = decltype(last)::value;
+        if (c0 == 0 && vpf) {
+          if (vpf[2 * tp]) prefetch_range_l2(vpf[2 * tp] + vo, A.pf_bytes);
+          if (!LAST && vpf[2 * tp + 1]) prefetch_range_l2(vpf[2 * tp + 1] + vo, A.pf_bytes);
+        }
+        __m512bh pw[NH];
+        for (int j = 0; j < NH; ++j)
+          pw[j] = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(p16[j])[tp]);
+        for (int w = 0; w < CW; ++w) {
+          const __m512i a = _mm512_loadu_si512(vrow[2 * tp] + vo + (c0 + w) * 32);
+          const __m512i b = LAST ? _mm512_setzero_si512() : _mm512_loadu_si512(vrow[2 * tp + 1] + vo + (c0 + w) * 32);
+          const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+          const __m512bh vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+          for (int j = 0; j < NH; ++j) {
+            lo[w][j] = _mm512_dpbf16_ps(lo[w][j], vlo, pw[j]);
+            hi[w][j] = _mm512_dpbf16_ps(hi[w][j], vhi, pw[j]);
+          }
+        }
+      };
+      for (int tp = 0; tp < npairs - (odd ? 1 : 0); ++tp) pair(tp, std::false_type{});
+      if (odd) pair(npairs - 1, std::true_type{});
+      for (int w = 0; w < CW; ++w)
+        for (int j = 0; j < NH; ++j) {
+          _mm512_storeu_ps(acch + j * D + (c0 + w) * 32, lo[w][j]);
+          _mm512_storeu_ps(acch + j * D + (c0 + w) * 32 + 16, hi[w][j]);
+        }
     }
     if (tail) {  // 16 dims: [a0..a15 | b0..b15] -> (a0, b0, a1, b1, ...), natural order
       const __m512i idx = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
@@ -875,13 +931,21 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
     }
     for (int kg = 0; kg < nkv; kg += kvg) {  // kv heads [kg, kg + A.nkv) of the item
       A.nkv = std::min(kvg, nkv - kg);
-      A.krow = krow_g;
-      A.vrow = vrow_g;
-      for (int t = 0; t < n; ++t) {
-        krow_g[t] = static_cast<const T*>(krow[t]) + kg * P.ks2;
-        vrow_g[t] = static_cast<const T*>(vrow[t]) + kg * P.vs2;
-        kpf_g[t] = kpf[t] ? static_cast<const T*>(kpf[t]) + kg * P.ks2 : nullptr;
-        vpf_g[t] = vpf[t] ? static_cast<const T*>(vpf[t]) + kg * P.vs2 : nullptr;
+      const void* const* kpf_kg = kpf;
+      const void* const* vpf_kg = vpf;
+      A.krow = krow;
+      A.vrow = vrow;
+      if (kg > 0) {  // the rows of kv heads kg, ... (the first group's are the walk's own)
+        A.krow = krow_g;
+        A.vrow = vrow_g;
+        kpf_kg = kpf_g;
+        vpf_kg = vpf_g;
+        for (int t = 0; t < n; ++t) {
+          krow_g[t] = static_cast<const T*>(krow[t]) + kg * P.ks2;
+          vrow_g[t] = static_cast<const T*>(vrow[t]) + kg * P.vs2;
+          kpf_g[t] = kpf[t] ? static_cast<const T*>(kpf[t]) + kg * P.ks2 : nullptr;
+          vpf_g[t] = vpf[t] ? static_cast<const T*>(vpf[t]) + kg * P.vs2 : nullptr;
+        }
       }
       A.pf_bytes = static_cast<int>(D * elt);  // a kv head's part of a row, prefetched by its pass
       bool first = true;  // the first row attending this span prefetches for it
@@ -890,8 +954,8 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
         if (A.n <= 0) continue;
         for (int j0 = 0; j0 < g; j0 += kMaxNH) {
           const int nh = std::min(kMaxNH, g - j0);
-          A.kpf = first && j0 == 0 ? kpf_g : nullptr;  // one pass over the kv heads' rows prefetches them
-          A.vpf = first && j0 == 0 ? vpf_g : nullptr;
+          A.kpf = first && j0 == 0 ? kpf_kg : nullptr;  // one pass over the kv heads' rows prefetches them
+          A.vpf = first && j0 == 0 ? vpf_kg : nullptr;
           const size_t h = static_cast<size_t>(kg) * g + j0;
           const SpanFn<T> fn = A.nkv == kMaxGroupHeads / nh ? fns_full[nh] : fns[nh];
           fn(A, S[r].qf.data() + h * D, qrows[r] + h * D, S[r].acc.data() + h * D, S[r].m.data() + h,
