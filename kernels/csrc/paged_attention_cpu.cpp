@@ -812,6 +812,30 @@ struct RowWalker {
     v = vb + off * P.vs1;
     ++off;
   }
+
+  // next() n times into k[0..n) and v[0..n), a block's run of tokens at a time.
+  void fill(const void** k, const void** v, int n) {
+    for (int i = 0; i < n;) {
+      if (off == P.block_size) {
+        off = 0;
+        ++blk;
+        kb = nullptr;
+      }
+      if (!kb) {
+        kb = kc + bt[blk] * P.ks0;
+        vb = vc + bt[blk] * P.vs0;
+      }
+      const int len = std::min(n - i, P.block_size - off);
+      const T* kp = kb + off * P.ks1;
+      const T* vp = vb + off * P.vs1;
+      for (int j = 0; j < len; ++j) {
+        k[i + j] = kp + j * P.ks1;
+        v[i + j] = vp + j * P.vs1;
+      }
+      off += len;
+      i += len;
+    }
+  }
 };
 
 // Work item: sequence b, kv heads [kh0, kh1), context tokens [t0, t1). sp < 0: the item covers the
@@ -918,17 +942,15 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   A.qscale = P.qscale;
   for (int ts = t0; ts < t1; ts += span) {
     const int n = std::min(span, t1 - ts);
-    for (int t = 0; t < n; ++t) {
-      rows.next(krow[t], vrow[t]);
-      if (ts + t + ahead < t1) {
-        ahead_rows.next(kpf[t], vpf[t]);  // token ts + t + ahead
-      } else if (next_left > 0) {
-        next_rows.next(kpf[t], vpf[t]);  // the next item's first tokens
-        --next_left;
-      } else {
-        kpf[t] = vpf[t] = nullptr;
-      }
-    }
+    rows.fill(krow, vrow, n);
+    // Row t of kpf / vpf: token ts + t + ahead while that is in the item, then the next item's
+    // first tokens, then none.
+    const int na = std::clamp(t1 - ahead - ts, 0, n);
+    ahead_rows.fill(kpf, vpf, na);
+    const int nn = std::min(n - na, next_left);
+    next_rows.fill(kpf + na, vpf + na, nn);
+    next_left -= nn;
+    for (int t = na + nn; t < n; ++t) kpf[t] = vpf[t] = nullptr;
     for (int kg = 0; kg < nkv; kg += kvg) {  // kv heads [kg, kg + A.nkv) of the item
       A.nkv = std::min(kvg, nkv - kg);
       const void* const* kpf_kg = kpf;
