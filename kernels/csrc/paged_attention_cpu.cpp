@@ -798,22 +798,7 @@ struct RowWalker {
   RowWalker(const Params& P_, const T* kc_, const T* vc_, const int32_t* bt_, int kh0, int t)
       : P(P_), kc(kc_ + kh0 * P_.ks2), vc(vc_ + kh0 * P_.vs2), bt(bt_), blk(t / P_.block_size), off(t % P_.block_size) {}
 
-  void next(const void*& k, const void*& v) {
-    if (off == P.block_size) {
-      off = 0;
-      ++blk;
-      kb = nullptr;
-    }
-    if (!kb) {
-      kb = kc + bt[blk] * P.ks0;
-      vb = vc + bt[blk] * P.vs0;
-    }
-    k = kb + off * P.ks1;
-    v = vb + off * P.vs1;
-    ++off;
-  }
-
-  // next() n times into k[0..n) and v[0..n), a block's run of tokens at a time.
+  // The next n tokens' rows into k[0..n) and v[0..n), a block's run of tokens at a time.
   void fill(const void** k, const void** v, int n) {
     for (int i = 0; i < n;) {
       if (off == P.block_size) {
@@ -908,7 +893,7 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   RowWalker<T> rows(P, kc, vc, bt, kh0, t0), ahead_rows(P, kc, vc, bt, kh0, t0);
   for (int t = t0; t < std::min(t1, t0 + ahead); ++t) {
     const void *k, *v;
-    ahead_rows.next(k, v);
+    ahead_rows.fill(&k, &v, 1);
     if (!started) {
       prefetch_range_l2(k, run);
       prefetch_range_l2(v, run);
