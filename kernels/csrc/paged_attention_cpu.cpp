@@ -150,35 +150,35 @@ inline __m512 exp2_ps(__m512 a) {
 }
 // 2^x for x <= 0 (x = -inf allowed; lanes >= n forced to 0).
 inline V16 vexp2_masked(V16 a, int n) { return {_mm512_maskz_mov_ps(lane_mask(n), exp2_ps(a.v))}; }
-// out lane t = sum of the 16 lanes of a[t]  (transpose-and-add tree, 15 adds + 31 shuffles).
-inline __attribute__((always_inline)) V16 hsum16(const V16* a) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)  // low 256 bits: token i, high: token i + 8
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i].v, a[i + 8].v, 0x44),
-                         _mm512_shuffle_f32x4(a[i].v, a[i + 8].v, 0xEE));
-  for (int i = 0; i < 4; ++i)  // 128-bit chunks: tokens i, i+8, i+4, i+12
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88),
-                         _mm512_shuffle_f32x4(b[i], b[i + 4], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[i], c[i + 2], 0x44), _mm512_shuffle_ps(c[i], c[i + 2], 0xEE));
-  __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-  // e holds tokens in lane order 0,2,1,3,8,10,9,11,4,6,5,7,12,14,13,15 (an involution).
-  const __m512i idx = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
-  return {_mm512_permutexvar_ps(idx, e)};
-}
-// out lane t = sum of the 8 lanes of token t, where a[i] holds token 2i in its low 256 bits and
-// token 2i + 1 in its high ones (span_scores' paired tokens): hsum16's tree less its first level.
-inline __attribute__((always_inline)) V16 hsum_pairs(const V16* a) {
+// The last three levels of the transpose-and-add trees below: eight vectors, each holding two
+// tokens' 8-lane partial sums in its 256-bit halves, to one vector of 16 sums (7 adds + 14 shuffles).
+// Vector i's halves end up in lanes (chunk by chunk) as the callers' permutations undo.
+inline __attribute__((always_inline)) __m512 hsum_halves(const __m512* a) {
   __m512 b[4], d[2];
-  for (int i = 0; i < 4; ++i)  // 128-bit chunks: tokens 2i, 2i + 1, 2i + 8, 2i + 9
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i].v, a[i + 4].v, 0x88),
-                         _mm512_shuffle_f32x4(a[i].v, a[i + 4].v, 0xDD));
+  for (int i = 0; i < 4; ++i)  // 128-bit chunks: a[i]'s low half, its high half, a[i + 4]'s low, high
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88), _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
   for (int i = 0; i < 2; ++i)
     d[i] = _mm512_add_ps(_mm512_shuffle_ps(b[i], b[i + 2], 0x44), _mm512_shuffle_ps(b[i], b[i + 2], 0xEE));
-  __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-  // e holds tokens in lane order 0,4,2,6,1,5,3,7,8,12,10,14,9,13,11,15 (an involution).
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+// out lane t = sum of the 16 lanes of a[t] (the first level folds each pair a[i], a[i + 8] to
+// one vector: low 256 bits token i, high token i + 8; then hsum_halves).
+inline __attribute__((always_inline)) V16 hsum16(const V16* a) {
+  __m512 b[8];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i].v, a[i + 8].v, 0x44),
+                         _mm512_shuffle_f32x4(a[i].v, a[i + 8].v, 0xEE));
+  // hsum_halves leaves tokens in lane order 0,2,1,3,8,10,9,11,4,6,5,7,12,14,13,15 (an involution).
+  const __m512i idx = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return {_mm512_permutexvar_ps(idx, hsum_halves(b))};
+}
+// out lane t = sum of the 8 lanes of token t, where a[i] holds token 2i in its low 256 bits and
+// token 2i + 1 in its high ones (span_scores' paired tokens): hsum16 without its first level.
+inline __attribute__((always_inline)) V16 hsum_pairs(const V16* a) {
+  const __m512 b[8] = {a[0].v, a[1].v, a[2].v, a[3].v, a[4].v, a[5].v, a[6].v, a[7].v};
+  // hsum_halves leaves tokens in lane order 0,4,2,6,1,5,3,7,8,12,10,14,9,13,11,15 (an involution).
   const __m512i idx = _mm512_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15);
-  return {_mm512_permutexvar_ps(idx, e)};
+  return {_mm512_permutexvar_ps(idx, hsum_halves(b))};
 }
 // Inline asm rather than _mm_prefetch / __builtin_prefetch: gcc 12 deleted every prefetch of the
 // row loops below once inlined (no prefetch instruction left in the binary).
