@@ -92,7 +92,8 @@ class IncrementalDetokenizer:
         window = self._window
         window.extend(new_token_ids)
         text = self._decode(window)[len(self._prefix_text):]
-        old_end = len(self._recent) + len(self._tail)  # stop region already searched
+        stops = self._stops
+        old_end = len(self._recent) + len(self._tail) if stops else 0  # stop region already searched
         if text and not text.endswith(REPLACEMENT_CHAR):
             # The window ends on a character boundary: confirm its text and slide the window.
             new, self._tail = text, ""
@@ -102,6 +103,11 @@ class IncrementalDetokenizer:
         else:
             # Stripping a legitimate U+FFFD only delays that char to the next boundary or flush.
             new, self._tail = "", text.rstrip(REPLACEMENT_CHAR)
+        if not stops:  # nothing to look for (``_recent`` stays empty)
+            if new:
+                self._unsent.append(new)
+                self._unsent_len += len(new)
+            return None
         region = self._recent + new + self._tail
         region_start = self._unsent_len - len(self._recent)  # index of region[0] in the unsent text
         self._unsent_len += len(new)
@@ -109,7 +115,7 @@ class IncrementalDetokenizer:
             self._unsent.append(new)
             recent = self._recent + new
             self._recent = recent[max(0, len(recent) - self._stop_lookback):]
-        if not self._stops or self._num_output_tokens < self._min_tokens:
+        if self._num_output_tokens < self._min_tokens:
             return None
         return self._match_stop(region, old_end, region_start)
 
@@ -137,6 +143,8 @@ class IncrementalDetokenizer:
         """
         if finished:
             self._flush()
+            held = 0
+        elif not self._stops:
             held = 0
         else:
             held = max(0, self._held_stop_prefix_len(self._recent + self._tail) - len(self._tail))

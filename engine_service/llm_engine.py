@@ -154,7 +154,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             request.metrics.finished_time = time.time()
-            outputs.append(self._make_output(request, {}))
+            outputs.append(self._make_output(request, {}, request.is_finished))
         return outputs
 
     def _pop_request(self, request_id: str) -> Request | None:
@@ -247,7 +247,7 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 self._pop_request(rid)
             if finished or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(request, stepped))
+                outputs.append(self._make_output(request, stepped, finished))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob_row, now: float) -> bool:
@@ -299,12 +299,11 @@ class LLMEngine:
         return seq.grammar.is_terminated
 
     def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
-        params = seq.params
-        if seq.detokenizer is not None:
-            stop_str = seq.detokenizer.update([token])
-        else:
-            stop_str = None
-        n_out = seq.num_output_tokens
+        params = seq.request.params
+        det = seq.detokenizer
+        stop_str = det.update([token]) if det is not None else None
+        n_tokens = len(seq.token_ids)
+        n_out = n_tokens - seq.num_prompt_tokens
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED
@@ -314,19 +313,21 @@ class LLMEngine:
             if stop_str is not None:
                 seq.stop_reason = stop_str
                 return SequenceStatus.FINISHED_STOPPED
-        if n_out >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if n_out >= params.max_tokens or n_tokens >= self.config.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def _make_output(self, request: Request, stepped: dict[int, int]) -> RequestOutput:
+    def _make_output(self, request: Request, stepped: dict[int, int], finished: bool) -> RequestOutput:
         """The request's output now. ``stepped``: tokens each sequence gained this step, i.e. the
-        delta (``FINAL_ONLY`` hands out nothing before, so its delta is the whole completion)."""
+        delta (``FINAL_ONLY`` hands out nothing before, so its delta is the whole completion);
+        ``finished``: ``request.is_finished``."""
         kind = request.params.output_kind
         completions = []
-        for seq in sorted(request.seqs, key=lambda s: s.index):
-            finished = seq.is_finished
+        seqs = request.seqs
+        for seq in sorted(seqs, key=lambda s: s.index) if len(seqs) > 1 else seqs:
+            status = seq.status
             det = seq.detokenizer
-            delta_text = det.get_delta(finished) if det is not None else ""
+            delta_text = det.get_delta(status.is_finished) if det is not None else ""
             out_ids = seq.token_ids[seq.num_prompt_tokens:]
             new = len(out_ids) if kind == RequestOutputKind.FINAL_ONLY else stepped.get(seq.seq_id, 0)
             delta_ids = out_ids[len(out_ids) - new:] if new else []
@@ -341,7 +342,7 @@ class LLMEngine:
                 token_ids=ids,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 logprobs=logprobs,
-                finish_reason=seq.status.finish_reason,
+                finish_reason=status.finish_reason,
                 stop_reason=seq.stop_reason,
                 delta_text=delta_text,
                 delta_token_ids=delta_ids,
@@ -352,7 +353,7 @@ class LLMEngine:
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
-            finished=request.is_finished,
+            finished=finished,
             metrics=request.metrics,
             num_cached_tokens=request.seqs[0].num_cached_tokens if request.seqs else 0,
         )

@@ -226,12 +226,13 @@ class ModelRunner:
         # Only sequences whose pending tokens are now all computed sample a token; a decode with a
         # speculative draft samples at each of its 1 + len(draft) positions (consecutive rows).
         rows, sampled = [], []
+        cu_list = cu.tolist()
         for i, s in enumerate(seqs):
             if s.spec_token_ids:
-                rows.extend(range(int(cu[i]), int(cu[i + 1])))
+                rows.extend(range(cu_list[i], cu_list[i + 1]))
                 sampled.extend([s] * num_new[i])
-            elif starts[i] + num_new[i] == s.num_tokens:
-                last = int(cu[i + 1]) - 1
+            elif starts[i] + num_new[i] == len(s.token_ids):
+                last = cu_list[i + 1] - 1
                 for target in (s, *forks.get(s.seq_id, ())):
                     rows.append(last)
                     sampled.append(target)
