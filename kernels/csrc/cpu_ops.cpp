@@ -22,6 +22,9 @@
 #include "pagoda_cpu.h"
 
 #include <cpuid.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <x86intrin.h>
+#endif
 
 #include <omp.h>
 
@@ -787,6 +790,39 @@ at::Tensor gemm_pack_weight(const at::Tensor& weight, bool float32_kernel) {
 // how many times a thread has taken another's work.
 std::atomic<int64_t> g_gemm_stall_thread{-1}, g_gemm_stall_us{0}, g_gemm_steals{0};
 
+// GEMM trace (bench/gemm_trace.py), off unless gemm_trace(true) turned it on: each run_gemm_blocks
+// claim adds {thread, group, rows, tsc at its start, after multiply, after its epilogue}, and each
+// thread at the end of a call {thread, -1, threads, tsc at the region's start, at its end, 0}.
+constexpr int64_t kTraceCap = 1 << 16;
+std::atomic<bool> g_trace_on{false};
+std::atomic<int64_t> g_trace_n{0};
+int64_t g_trace[kTraceCap][6];
+inline uint64_t tsc_now() {  // the time-stamp counter (a fixed rate, whatever the core clock does)
+#if defined(__x86_64__) || defined(__i386__)
+  return __rdtsc();
+#else
+  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+#endif
+}
+inline void trace_add(int64_t a, int64_t b, int64_t c, uint64_t d, uint64_t e, uint64_t f) {
+  const int64_t i = g_trace_n.fetch_add(1, std::memory_order_relaxed);
+  if (i >= kTraceCap) return;
+  int64_t* row = g_trace[i];
+  row[0] = a, row[1] = b, row[2] = c, row[3] = static_cast<int64_t>(d), row[4] = static_cast<int64_t>(e),
+  row[5] = static_cast<int64_t>(f);
+}
+// Returns what was recorded since the last call ([n, 6] int64, at most kTraceCap rows) and turns
+// the trace on or off.
+at::Tensor gemm_trace(bool on) {
+  g_trace_on.store(false);
+  const int64_t n = std::min(g_trace_n.exchange(0), kTraceCap);
+  at::Tensor t = at::empty({n, 6}, at::kLong);
+  std::memcpy(t.data_ptr<int64_t>(), g_trace, n * 6 * sizeof(int64_t));
+  g_trace_on.store(on);
+  return t;
+}
+int64_t gemm_tsc() { return static_cast<int64_t>(tsc_now()); }
+
 void gemm_test_stall(int64_t thread, int64_t microseconds) {
   TORCH_CHECK(microseconds >= 0 && microseconds <= 1000000, "gemm_test_stall: microseconds must be in [0, 1e6], got ",
               microseconds);
@@ -824,6 +860,8 @@ void run_gemm_blocks(int64_t m, int64_t groups, int64_t group, Multiply&& multip
   }
 #pragma omp parallel num_threads(nt)
   {
+    const bool trace = g_trace_on.load(std::memory_order_relaxed);
+    const uint64_t t_region = trace ? tsc_now() : 0;
     static thread_local std::vector<float> buf;
     buf.resize(group * kGemmBlockM * kGemmBlockN);
     const int t = omp_get_thread_num();
@@ -855,6 +893,14 @@ void run_gemm_blocks(int64_t m, int64_t groups, int64_t group, Multiply&& multip
     };
     const auto run = [&](int64_t s, int64_t rows, int64_t lo, int64_t hi) {
       const int64_t g = lo / rows, r = s * kGemmBlockM + lo % rows, len = hi - lo;
+      if (trace) {
+        const uint64_t t0 = tsc_now();
+        multiply(r, len, g, buf.data());
+        const uint64_t t1 = tsc_now();
+        epilogue(r, len, g, buf.data());
+        trace_add(t, g, len, t0, t1, tsc_now());
+        return;
+      }
       multiply(r, len, g, buf.data());
       epilogue(r, len, g, buf.data());
     };
@@ -869,6 +915,7 @@ void run_gemm_blocks(int64_t m, int64_t groups, int64_t group, Multiply&& multip
         while (claim(s, (t + d) % nt, rows, lo, hi)) run(s, rows, lo, hi);
     }
     finish();
+    if (trace) trace_add(t, -1, nt, t_region, tsc_now(), 0);
   }
 }
 
@@ -1475,6 +1522,8 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.impl("gemm_pack_weight", c10::DispatchKey::CPU, TORCH_FN(gemm_pack_weight));
   m.def("gemm_test_stall(int thread, int microseconds) -> ()", TORCH_FN(gemm_test_stall));
   m.def("gemm_steals() -> int", TORCH_FN(gemm_steals));
+  m.def("gemm_trace(bool on) -> Tensor", TORCH_FN(gemm_trace));
+  m.def("gemm_tsc() -> int", TORCH_FN(gemm_tsc));
   m.def("gemm_linear(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
   m.impl("gemm_linear", c10::DispatchKey::CPU, TORCH_FN(gemm_linear));
   m.def("gemm_linear_argmax(Tensor x, Tensor packed, int valid, Tensor(a!) out) -> ()");

@@ -1,0 +1,141 @@
+"""Pagoda's own GEMMs inside the engine's real decode step, claim by claim (time-stamp counter).
+
+    python bench/gemm_trace.py [--requests 256] [--steps 5] [--dtype bfloat16]
+
+Starts the first --requests prompts of W as bench/decode_step.py does, then runs --steps decode-only
+steps with the layers in their one C++ call (as the engine runs them: bench/decode_step.py and
+bench/parts.py run them from Python to time them, which adds costs of its own). The kernels' trace
+(``torch.ops.pagoda_cpu.gemm_trace``: every claim of run_gemm_blocks with its start, the end of its
+multiply and of its epilogue, and each thread's parallel region) is on only during those steps.
+Prints, for each GEMM of a layer (QKV with rotary and the K/V write, o_proj, gate/up with silu * up,
+down_proj) and the LM head: microseconds a call, the share of the call's threads' time spent inside
+their claims, the multiply's GFLOP/s (per thread: compare with one core's peak, e.g.
+``vdpbf16ps`` in bench/isa_rates.py: 64 FLOP an instruction), the epilogue's share, a thread's first
+claim's rate against its later ones' (cold weights), and the time between one GEMM and the next
+(RMSNorm; decode attention before o_proj). Needs a CPU where the layers run on Pagoda's GEMMs
+(AVX512-BF16 or AMX in bf16, AVX2 in float32).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from engine_runner import load_workload, warm_up_pagoda  # noqa: E402
+
+KINDS = ("qkv", "o_proj", "gate_up", "down")
+
+
+def tsc_hz(tsc) -> float:
+    c0, t0 = tsc(), time.perf_counter()
+    time.sleep(0.2)
+    return (tsc() - c0) / (time.perf_counter() - t0)
+
+
+def calls_of(trace: list[list[int]]) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """Splits one step's trace into calls, in order: (each thread's region row, the call's claims)."""
+    regions = sorted((r for r in trace if r[1] == -1), key=lambda r: r[3])
+    claims = sorted((r for r in trace if r[1] != -1), key=lambda r: r[3])
+    calls, i = [], 0
+    while i < len(regions):
+        group = regions[i:i + regions[i][2]]
+        i += len(group)
+        lo, hi = min(r[3] for r in group), max(r[4] for r in group)
+        calls.append((group, [c for c in claims if lo <= c[3] <= hi]))
+    return calls
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=256, help="decode batch size (first N requests of W)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = ap.parse_args()
+    if not 1 <= args.requests <= 256 or args.steps < 1:
+        ap.error("--requests must be in 1..256 and --steps >= 1")
+
+    import torch
+
+    from engine_service import LLM, SamplingParams
+
+    requests = load_workload("W")[:args.requests]
+    engine = LLM(dtype=args.dtype, max_num_seqs=256).llm_engine
+    runner = engine.runner
+    if not (runner.bf16_gemm or runner.f32_gemm) or runner.model.layer_stack is None:
+        sys.exit("the layers do not run on Pagoda's GEMMs in one C++ call on this CPU / dtype")
+    warm_up_pagoda(engine, requests)
+    for r in requests:
+        engine.add_request(str(r["id"]), {"prompt_token_ids": r["prompt_token_ids"]},
+                           SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < len(requests):
+        for o in engine.step():
+            if o.outputs and len(o.outputs[0].token_ids):
+                started.add(o.request_id)
+    for _ in range(2):
+        engine.step()
+
+    ops = torch.ops.pagoda_cpu
+    hz = tsc_hz(ops.gemm_tsc)
+    cfg = runner.model.config
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    k_of = {"qkv": hidden, "o_proj": hidden, "gate_up": hidden, "down": inter, "lm_head": hidden}
+    blocks_per_group = {"gate_up": 2}
+    stats: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    step_s = []
+    for _ in range(args.steps):
+        ops.gemm_trace(True)
+        t = time.perf_counter()
+        engine.step()
+        step_s.append(time.perf_counter() - t)
+        calls = calls_of(ops.gemm_trace(False).tolist())
+        layers = (len(calls) - 1) // 4
+        if len(calls) != 4 * layers + 1:
+            sys.exit(f"expected 4 GEMMs a layer and the LM head, got {len(calls)} calls")
+        prev_end = None
+        for i, (regions, claims) in enumerate(calls):
+            kind = "lm_head" if i == len(calls) - 1 else KINDS[i % 4]
+            s = stats[kind]
+            lo, hi = min(r[3] for r in regions), max(r[4] for r in regions)
+            s["us"].append((hi - lo) / hz * 1e6)
+            if prev_end is not None:
+                s["gap_us"].append((lo - prev_end) / hz * 1e6)
+            prev_end = hi
+            busy = sum(c[5] - c[3] for c in claims)
+            s["in_claims"].append(busy / sum(r[4] - r[3] for r in regions))
+            mult = sum(c[4] - c[3] for c in claims)
+            s["epilogue"].append(1 - mult / busy if busy else 0.0)
+            flop = sum(2 * c[2] * k_of[kind] * 64 * blocks_per_group.get(kind, 1) for c in claims)
+            s["gflops_thread"].append(flop / (mult / hz) / 1e9)
+            for r in regions:
+                mine = [c for c in claims if c[0] == r[0]]
+                if len(mine) > 2:
+                    rate = lambda cs: sum(c[4] - c[3] for c in cs) / sum(c[2] for c in cs)  # noqa: E731
+                    s["first_claim"].append(rate(mine[:1]) / rate(mine[2:]))
+
+    med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
+    print(f"{args.dtype}, {args.requests} sequences decoding, {args.steps} steps: step median "
+          f"{1e3 * med(step_s):.1f} ms; time-stamp counter {hz / 1e9:.3f} GHz")
+    print("| GEMM | calls | µs a call | before it, µs | threads' time in claims | multiply GFLOP/s a thread "
+          "| epilogue share of claims | first claim's time a row / later claims' |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind in (*KINDS, "lm_head"):
+        s = stats[kind]
+        print(f"| {kind} | {len(s['us'])} | {med(s['us']):.0f} | {med(s['gap_us']):.0f} | "
+              f"{100 * med(s['in_claims']):.1f}% | {med(s['gflops_thread']):.1f} | {100 * med(s['epilogue']):.1f}% | "
+              f"{med(s['first_claim']):.3f} |")
+    per_step = {k: med(stats[k]["us"]) * len(stats[k]["us"]) / args.steps / 1e3 for k in stats}
+    print(f"GEMMs (medians x calls) {sum(per_step.values()):.1f} ms of a {1e3 * med(step_s):.1f} ms step: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in per_step.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
