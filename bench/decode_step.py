@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_runner import load_workload, warm_up_pagoda  # noqa: E402
+from engine_runner import load_workload, start_decoding, warm_up_pagoda  # noqa: E402
 
 
 def main() -> int:
@@ -41,7 +41,7 @@ def main() -> int:
         ap.error("--steps must be >= 1")
 
     import engine_service.models.llama as llama
-    from engine_service import LLM, SamplingParams
+    from engine_service import LLM
     from pagoda_kernels.layer_ops import GEMM_BLOCK_N
 
     requests = load_workload("W")[:args.requests]
@@ -91,18 +91,7 @@ def main() -> int:
 
         setattr(attn, name, timed)
 
-    for r in requests:
-        engine.add_request(str(r["id"]), {"prompt_token_ids": r["prompt_token_ids"]},
-                           SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
-    started: set[str] = set()
-    prefill_steps = 0
-    while len(started) < len(requests):
-        for o in engine.step():
-            if o.outputs and len(o.outputs[0].token_ids):
-                started.add(o.request_id)
-        prefill_steps += 1
-    for _ in range(2):  # the first decode-only steps build oneDNN primitives for the new row count
-        engine.step()
+    prefill_steps = start_decoding(engine, requests)
     for d in (seconds, gemm, again, rows):
         d.clear()
     times = []

@@ -80,6 +80,28 @@ def warm_up_pagoda(engine, requests) -> None:
         engine.step()
 
 
+def start_decoding(engine, requests, max_tokens: int = 400) -> int:
+    """Add ``requests`` (greedy, ``ignore_eos``, room for ``max_tokens`` new tokens) and step until
+    each has its first token, then two more steps (the first decode-only steps build oneDNN
+    primitives for the new row count): every further step decodes them all. Returns the steps it
+    took to start them."""
+    from engine_service import SamplingParams
+
+    for r in requests:
+        engine.add_request(str(r["id"]), {"prompt_token_ids": r["prompt_token_ids"]},
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    started: set[str] = set()
+    steps = 0
+    while len(started) < len(requests):
+        for o in engine.step():
+            if o.outputs and len(o.outputs[0].token_ids):
+                started.add(o.request_id)
+        steps += 1
+    for _ in range(2):
+        engine.step()
+    return steps
+
+
 def run_pagoda(args, requests) -> dict:
     sys.path.insert(0, str(ROOT))
     from engine_service import LLM

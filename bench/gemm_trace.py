@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_runner import load_workload, warm_up_pagoda  # noqa: E402
+from engine_runner import load_workload, start_decoding, warm_up_pagoda  # noqa: E402
 
 KINDS = ("qkv", "o_proj", "gate_up", "down")
 
@@ -63,7 +63,7 @@ def main() -> int:
 
     import torch
 
-    from engine_service import LLM, SamplingParams
+    from engine_service import LLM
 
     requests = load_workload("W")[:args.requests]
     engine = LLM(dtype=args.dtype, max_num_seqs=256).llm_engine
@@ -71,16 +71,7 @@ def main() -> int:
     if not (runner.bf16_gemm or runner.f32_gemm) or runner.model.layer_stack is None:
         sys.exit("the layers do not run on Pagoda's GEMMs in one C++ call on this CPU / dtype")
     warm_up_pagoda(engine, requests)
-    for r in requests:
-        engine.add_request(str(r["id"]), {"prompt_token_ids": r["prompt_token_ids"]},
-                           SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
-    started: set[str] = set()
-    while len(started) < len(requests):
-        for o in engine.step():
-            if o.outputs and len(o.outputs[0].token_ids):
-                started.add(o.request_id)
-    for _ in range(2):
-        engine.step()
+    start_decoding(engine, requests)
 
     ops = torch.ops.pagoda_cpu
     hz = tsc_hz(ops.gemm_tsc)

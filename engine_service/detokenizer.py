@@ -143,11 +143,8 @@ class IncrementalDetokenizer:
         """
         if finished:
             self._flush()
-            held = 0
-        elif not self._stops:
-            held = 0
-        else:
-            held = max(0, self._held_stop_prefix_len(self._recent + self._tail) - len(self._tail))
+        held = 0 if finished or not self._stops else max(
+            0, self._held_stop_prefix_len(self._recent + self._tail) - len(self._tail))
         if self._unsent_len <= held:
             return ""
         text = "".join(self._unsent)

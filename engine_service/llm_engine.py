@@ -299,7 +299,7 @@ class LLMEngine:
         return seq.grammar.is_terminated
 
     def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
-        params = seq.request.params
+        params = seq.params
         det = seq.detokenizer
         stop_str = det.update([token]) if det is not None else None
         n_tokens = len(seq.token_ids)

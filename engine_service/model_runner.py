@@ -231,7 +231,7 @@ class ModelRunner:
             if s.spec_token_ids:
                 rows.extend(range(cu_list[i], cu_list[i + 1]))
                 sampled.extend([s] * num_new[i])
-            elif starts[i] + num_new[i] == len(s.token_ids):
+            elif starts[i] + num_new[i] == s.num_tokens:
                 last = cu_list[i + 1] - 1
                 for target in (s, *forks.get(s.seq_id, ())):
                     rows.append(last)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_service.sampling_params import SAMPLING_EPS, SamplingParams
+from engine_service.sampling_params import SamplingParams
 from pagoda_kernels.layer_ops import TorchLayerOps
 
 if TYPE_CHECKING:
@@ -38,13 +38,9 @@ class SamplingBatch:
         """Whether every row just takes the argmax of its logits as they are: greedy, no
         penalties, no min_tokens still to reach, no logprobs, no grammar (worked out once a step:
         the runner and the sampler both ask)."""
-        if self.structured is not None:
-            return False
-        for p, out in zip(self.params, self.output_token_ids):  # p.greedy and not _has_penalties(p), inlined
-            if (p.temperature >= SAMPLING_EPS or p.logprobs is not None or len(out) < p.min_tokens
-                    or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
-                return False
-        return True
+        return self.structured is None and all(
+            p.greedy and p.logprobs is None and not _has_penalties(p) and len(out) >= p.min_tokens
+            for p, out in zip(self.params, self.output_token_ids))
 
 
 @dataclass

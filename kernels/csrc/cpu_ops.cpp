@@ -893,16 +893,11 @@ void run_gemm_blocks(int64_t m, int64_t groups, int64_t group, Multiply&& multip
     };
     const auto run = [&](int64_t s, int64_t rows, int64_t lo, int64_t hi) {
       const int64_t g = lo / rows, r = s * kGemmBlockM + lo % rows, len = hi - lo;
-      if (trace) {
-        const uint64_t t0 = tsc_now();
-        multiply(r, len, g, buf.data());
-        const uint64_t t1 = tsc_now();
-        epilogue(r, len, g, buf.data());
-        trace_add(t, g, len, t0, t1, tsc_now());
-        return;
-      }
+      const uint64_t t0 = trace ? tsc_now() : 0;
       multiply(r, len, g, buf.data());
+      const uint64_t t1 = trace ? tsc_now() : 0;
       epilogue(r, len, g, buf.data());
+      if (trace) trace_add(t, g, len, t0, t1, tsc_now());
     };
     int64_t lo, hi;
     for (int64_t s = 0; s < slices; ++s) {
