@@ -1,6 +1,6 @@
 """Pagoda's own GEMMs inside the engine's real decode step, claim by claim (time-stamp counter).
 
-    python bench/gemm_trace.py [--requests 256] [--steps 5] [--dtype bfloat16]
+    python bench/gemm_trace.py [--requests 256] [--steps 5] [--dtype bfloat16] [--prefill]
 
 Starts the first --requests prompts of W as bench/decode_step.py does, then runs --steps decode-only
 steps with the layers in their one C++ call (as the engine runs them: bench/decode_step.py and
@@ -14,6 +14,11 @@ their claims, the multiply's GFLOP/s (per thread: compare with one core's peak, 
 claim's rate against its later ones' (cold weights), and the time between one GEMM and the next
 (RMSNorm; decode attention before o_proj). Needs a CPU where the layers run on Pagoda's GEMMs
 (AVX512-BF16 or AMX in bf16, AVX2 in float32).
+
+``--prefill`` traces W's first --steps steps instead, with all of W added at once as
+bench/engine_runner.py adds it: each is a full step of prompt chunks (the step budget's 2048 tokens,
+the first requests' decode rows beside them), the kind of step that takes half of a W run. The time
+before o_proj is then the step's prefill and decode attention.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_runner import load_workload, start_decoding, warm_up_pagoda  # noqa: E402
+from engine_runner import load_workload, pagoda_adder, start_decoding, warm_up_pagoda  # noqa: E402
 
 KINDS = ("qkv", "o_proj", "gate_up", "down")
 
@@ -57,6 +62,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=256, help="decode batch size (first N requests of W)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--prefill", action="store_true",
+                    help="trace W's first --steps steps (all of W added at once: prefill steps) instead")
     args = ap.parse_args()
     if not 1 <= args.requests <= 256 or args.steps < 1:
         ap.error("--requests must be in 1..256 and --steps >= 1")
@@ -71,7 +78,20 @@ def main() -> int:
     if not (runner.bf16_gemm or runner.f32_gemm) or runner.model.layer_stack is None:
         sys.exit("the layers do not run on Pagoda's GEMMs in one C++ call on this CPU / dtype")
     warm_up_pagoda(engine, requests)
-    start_decoding(engine, requests)
+    if args.prefill:
+        add = pagoda_adder(engine)
+        for r in requests:
+            add(r)
+    else:
+        start_decoding(engine, requests)
+    schedule, step_tokens = engine.scheduler.schedule, []
+
+    def counted():  # each traced step's token count
+        out = schedule()
+        step_tokens.append(sum(out.num_new_tokens))
+        return out
+
+    engine.scheduler.schedule = counted
 
     ops = torch.ops.pagoda_cpu
     hz = tsc_hz(ops.gemm_tsc)
@@ -112,7 +132,9 @@ def main() -> int:
                     s["first_claim"].append(rate(mine[:1]) / rate(mine[2:]))
 
     med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
-    print(f"{args.dtype}, {args.requests} sequences decoding, {args.steps} steps: step median "
+    what = (f"W's first {args.steps} steps, {args.requests} requests added at once (prefill)" if args.prefill
+            else f"{args.requests} sequences decoding, {args.steps} steps")
+    print(f"{args.dtype}, {what}: {med(step_tokens):.0f} tokens a step (median), step median "
           f"{1e3 * med(step_s):.1f} ms; time-stamp counter {hz / 1e9:.3f} GHz")
     print("| GEMM | calls | µs a call | before it, µs | threads' time in claims | multiply GFLOP/s a thread "
           "| epilogue share of claims | first claim's time a row / later claims' |")
