@@ -59,7 +59,7 @@ def calls_of(trace: list[list[int]]) -> list[tuple[list[list[int]], list[list[in
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=256, help="decode batch size (first N requests of W)")
+    ap.add_argument("--requests", type=int, default=256, help="the first N requests of W: the decode batch, or with --prefill the requests added")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--prefill", action="store_true",
