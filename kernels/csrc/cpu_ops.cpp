@@ -152,19 +152,21 @@ inline __m256 load8(const bf16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 inline __m256 round8(__m256 v, const float*) { return v; }
-inline __m128i to_bf16_bits(__m256 v) {
+// Each lane rounded to bf16 (nearest even, NaN -> 0x7FC0, as torch), the bits in its low 16.
+inline __m256i bf16_bits_lanes(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+inline __m128i to_bf16_bits(__m256 v) {
+  const __m256i r = bf16_bits_lanes(v);
   // 32 -> 16 bits (values fit in 16 unsigned bits): pack within lanes, then fix the lane order.
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
   return _mm256_castsi256_si128(packed);
 }
-inline __m256 round8(__m256 v, const bf16_t*) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_bits(v)), 16));
-}
+inline __m256 round8(__m256 v, const bf16_t*) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits_lanes(v), 16)); }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(bf16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16_bits(v)); }
 inline double hsum4d(__m256d a) {
@@ -249,6 +251,11 @@ struct RowRotator {
   bool vec;
   int64_t hv;
   __m512 cr[16], sr[16];
+#elif PAGODA_EW_AVX2
+  // 8 lanes at a time (Zen 3: the QKV GEMM's rotary epilogue ~2x the loop below).
+  bool vec;
+  int64_t hv;
+  __m256 cr[32], sr[32];
 #endif
   const float* c;
   const float* s;
@@ -262,6 +269,15 @@ struct RowRotator {
       for (int64_t v = 0; v < 2 * hv; ++v) {
         cr[v] = round16(_mm512_loadu_ps(c + 16 * v), tag);
         sr[v] = round16(_mm512_loadu_ps(s + 16 * v), tag);
+      }
+#elif PAGODA_EW_AVX2
+    const T* tag = nullptr;
+    vec = half % 8 == 0 && dim <= 256;
+    hv = half / 8;
+    if (vec)
+      for (int64_t v = 0; v < 2 * hv; ++v) {
+        cr[v] = round8(_mm256_loadu_ps(c + 8 * v), tag);
+        sr[v] = round8(_mm256_loadu_ps(s + 8 * v), tag);
       }
 #endif
   }
@@ -282,6 +298,24 @@ struct RowRotator {
           const __m512 a2 = round16(_mm512_mul_ps(x2, cr[hv + v]), tag), b2 = round16(_mm512_mul_ps(x1, sr[hv + v]), tag);
           store16(oh + 16 * v, _mm512_add_ps(a1, b1));
           store16(oh + half + 16 * v, _mm512_add_ps(a2, b2));
+        }
+      }
+      return;
+    }
+#elif PAGODA_EW_AVX2
+    if (vec) {
+      const T* tag = nullptr;
+      const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(0x80000000u)));
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xh = x + h * dim;
+        T* oh = out + h * dim;
+        for (int64_t v = 0; v < hv; ++v) {
+          const __m256 x1 = load8(xh + 8 * v), x2 = load8(xh + half + 8 * v);
+          const __m256 nx2 = _mm256_xor_ps(x2, sign);  // -x2, exact
+          const __m256 a1 = round8(_mm256_mul_ps(x1, cr[v]), tag), b1 = round8(_mm256_mul_ps(nx2, sr[v]), tag);
+          const __m256 a2 = round8(_mm256_mul_ps(x2, cr[hv + v]), tag), b2 = round8(_mm256_mul_ps(x1, sr[hv + v]), tag);
+          store8(oh + 8 * v, _mm256_add_ps(a1, b1));
+          store8(oh + half + 8 * v, _mm256_add_ps(a2, b2));
         }
       }
       return;
@@ -461,38 +495,60 @@ void rotary_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions, con
 #if PAGODA_EW_AVX512
 // torch's own vectorised exp (Sleef, exported by libtorch_cpu): F.silu's exact arithmetic.
 extern "C" __m512 Sleef_expf16_u10(__m512);
-#elif PAGODA_EW_AVX2
-extern "C" __m256 Sleef_expf8_u10(__m256);  // what torch's AVX2 kernels call
-#endif
-
-#if PAGODA_EW_AVX512
 // torch's silu in float32, x / (1 + exp(-x)) with Sleef's exp and a division: the exact reference.
 inline __m512 silu_exact16(__m512 x) {
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
+#elif PAGODA_EW_AVX2
+extern "C" __m256 Sleef_expf8_u10(__m256);  // what torch's AVX2 kernels call
+// torch's AVX2 silu: the same arithmetic 8 lanes wide.
+inline __m256 silu_exact8(__m256 x) {
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+#endif
 
-// bf16 silu by table: entry b holds the bits of silu_exact16 (torch's F.silu) of the bf16 with bits
-// b, rounded to bf16, for all 65536 inputs (+ pad entries: the 32-bit gather reads 2 bytes past the
-// last). A gather instead of the arithmetic: 1.5x the silu_and_mul of a 2048-token SmolLM2 step
-// on Zen 4 against a Cody-Waite exp polynomial that recomputed lanes near a rounding boundary
-// exactly (3.7 against 2.5 G elements/s; 16 scalar lookups per vector instead of the gather: 3.6).
+#if PAGODA_EW_AVX512 || PAGODA_EW_AVX2
+// bf16 silu by table: entry b holds the bits of torch's F.silu of the bf16 with bits b (computed
+// as its vectorised kernel computes it on this CPU: silu_exact16 / silu_exact8), rounded to bf16,
+// for all 65536 inputs (+ pad entries: the 32-bit gather reads 2 bytes past the last). A gather
+// instead of the arithmetic: 1.5x the silu_and_mul of a 2048-token SmolLM2 step on Zen 4 against
+// a Cody-Waite exp polynomial that recomputed lanes near a rounding boundary exactly (3.7 against
+// 2.5 G elements/s; 16 scalar lookups per vector instead of the gather: 3.6); on Zen 3 (AVX2) the
+// gate/up GEMM's epilogue 2.4x faster than Sleef's exp and a division (bench/RESULTS.md).
 const uint16_t* silu_bf16_table() {
   static const std::vector<uint16_t> table = [] {
     std::vector<uint16_t> t(65536 + 16);
+#if PAGODA_EW_AVX512
     for (int b = 0; b < 65536; b += 16) {
       const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(b), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
                                                                                    11, 12, 13, 14, 15));
       const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.data() + b), to_bf16_bits(silu_exact16(x)));
     }
+#else
+    for (int b = 0; b < 65536; b += 8) {
+      const __m256i bits = _mm256_add_epi32(_mm256_set1_epi32(b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(t.data() + b), to_bf16_bits(silu_exact8(x)));
+    }
+#endif
     return t;
   }();
   return table.data();
 }
+#endif
+
+#if PAGODA_EW_AVX512
 inline __m512 silu_bf16_lookup16(const bf16_t* p, const uint16_t* table) {
   const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   const __m512i v = _mm512_i32gather_epi32(idx, table, 2);
   return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+#elif PAGODA_EW_AVX2
+// silu of 8 bf16 whose bits are in the low halves of idx's lanes, as float32 (exactly the bf16).
+inline __m256 silu_bf16_gather8(__m256i idx, const uint16_t* table) {
+  const __m256i v = _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), idx, 2);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 #endif
 
@@ -501,11 +557,13 @@ inline __m512 silu_bf16_lookup16(const bf16_t* p, const uint16_t* table) {
 template <typename T>
 inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
   int64_t i = 0;
+#if PAGODA_EW_AVX512 || PAGODA_EW_AVX2
+  [[maybe_unused]] const uint16_t* table = std::is_same_v<T, bf16_t> ? silu_bf16_table() : nullptr;
+#endif
 #if PAGODA_EW_AVX512
   // torch's vectorised loop takes 2 x Vectorized<T>::size() elements a step (64 bytes of T per
   // vector) and leaves the rest to its scalar op: the same split gives every element torch's exp.
   constexpr int64_t step = 2 * 64 / sizeof(T);
-  [[maybe_unused]] const uint16_t* table = std::is_same_v<T, bf16_t> ? silu_bf16_table() : nullptr;
   for (; i + step <= n; i += step) {
     for (int64_t h = 0; h < step; h += 16) {
       __m512 s;
@@ -520,13 +578,16 @@ inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
 #elif PAGODA_EW_AVX2
   // As above with 32-byte vectors.
   constexpr int64_t step = 2 * 32 / sizeof(T);
-  const __m256 one = _mm256_set1_ps(1.f);
   for (; i + step <= n; i += step) {
     for (int64_t h = 0; h < step; h += 8) {
-      const __m256 x = load8(g + i + h);
-      const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), x));
-      const __m256 sx = round8(_mm256_div_ps(x, _mm256_add_ps(one, e)), static_cast<T*>(nullptr));
-      store8(o + i + h, _mm256_mul_ps(sx, load8(u + i + h)));
+      __m256 s;
+      if constexpr (std::is_same_v<T, bf16_t>) {
+        s = silu_bf16_gather8(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i + h))),
+                              table);
+      } else {
+        s = silu_exact8(load8(g + i + h));
+      }
+      store8(o + i + h, _mm256_mul_ps(s, load8(u + i + h)));
     }
   }
 #endif
@@ -541,7 +602,7 @@ inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
 // (row stride free).
 template <typename T>
 void silu_and_mul_impl(const T* gate_up, int64_t in_stride, T* out, int64_t out_stride, int64_t rows, int64_t inter) {
-#if PAGODA_EW_AVX512
+#if PAGODA_EW_AVX512 || PAGODA_EW_AVX2
   if constexpr (std::is_same_v<T, bf16_t>) silu_bf16_table();  // built once, before the threads start
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads_for(rows * inter))
@@ -1265,10 +1326,24 @@ void gemm_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Ten
     return;
   }
   if (f32_kernel(packed)) {  // bf16 x on the float32 kernel: gate and up rounded to bf16 first
+    auto* o = static_cast<bf16_t*>(out.data_ptr());
+#if PAGODA_EW_AVX2
+    const uint16_t* table = silu_bf16_table();  // built once, before the threads start
+    // Straight from the sums: gate rounded in its lanes indexes the table, up rounded in its lanes
+    // is the bf16 value as a float (silu_mul_row on the rounded rows, without storing them).
+    run_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
+      const float* cu = c + kGemmBlockM * kGemmBlockN;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < kGemmBlockN; j += 8) {
+          const __m256 s = silu_bf16_gather8(bf16_bits_lanes(_mm256_loadu_ps(c + r * kGemmBlockN + j)), table);
+          const __m256 up = round8(_mm256_loadu_ps(cu + r * kGemmBlockN + j), static_cast<bf16_t*>(nullptr));
+          store8(o + (r0 + r) * ldo + g * kGemmBlockN + j, _mm256_mul_ps(s, up));
+        }
+    });
+#else
 #if PAGODA_EW_AVX512
     silu_bf16_table();  // built once, before the threads start
 #endif
-    auto* o = static_cast<bf16_t*>(out.data_ptr());
     run_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
       const float* cu = c + kGemmBlockM * kGemmBlockN;
       alignas(64) bf16_t gate[kGemmBlockN], up[kGemmBlockN];
@@ -1278,6 +1353,7 @@ void gemm_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Ten
         silu_mul_row(gate, up, o + (r0 + r) * ldo + g * kGemmBlockN, kGemmBlockN);
       }
     });
+#endif
     return;
   }
 #if PAGODA_GEMM_BF16
