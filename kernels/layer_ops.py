@@ -165,13 +165,14 @@ class CpuLayerOps(TorchLayerOps):
         kernels' layout, for the gemm_* GEMMs on activations of its dtype (float32 weights also take
         bf16 activations: widened, the output rounded to bf16). ``float32_kernel``: a bf16 weight
         kept in bf16 for the float32 kernel (a CPU without bf16 dot products): it takes bf16
-        activations and gives bitwise what the weight's float32 copy gives, from half the bytes."""
+        activations (or float32 ones holding bf16 values: widened already) and gives bitwise what
+        the weight's float32 copy gives, from half the bytes."""
         return torch.ops.pagoda_cpu.gemm_pack_weight(weight.contiguous(), float32_kernel)
 
     def gemm_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ weight.T in x's dtype, fp32 sums (rounded once to bf16 for bf16 x); a row's
-        result does not depend on M."""
-        out = torch.empty((x.shape[0], packed.shape[0] * GEMM_BLOCK_N), dtype=x.dtype)
+        """x [M, K] @ weight.T in the model dtype (``gemm_dtype``), fp32 sums (rounded once to bf16
+        in a bf16 model); a row's result does not depend on M."""
+        out = torch.empty((x.shape[0], packed.shape[0] * GEMM_BLOCK_N), dtype=gemm_dtype(x, packed))
         self._gemm_linear(x, packed, out)
         return out
 
@@ -185,14 +186,14 @@ class CpuLayerOps(TorchLayerOps):
     def gemm_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """silu_and_mul(x @ gate_up.T) in one pass; ``packed``: the gate/up weight with its 64-row
         blocks interleaved (``interleave_gate_up``) before ``gemm_pack``."""
-        out = torch.empty((x.shape[0], packed.shape[0] // 2 * GEMM_BLOCK_N), dtype=x.dtype)
+        out = torch.empty((x.shape[0], packed.shape[0] // 2 * GEMM_BLOCK_N), dtype=gemm_dtype(x, packed))
         self._gemm_linear_silu_mul(x, packed, out)
         return out
 
     def gemm_linear_rotary_qkv_to_cache(self, x, packed, rope, num_heads, key_cache, value_cache, slot_mapping):
         """rotary_qkv_to_cache(x @ qkv.T, ...) in one pass (head_dim 64): returns rotary(q) [M, H, 64]."""
         positions, cos_table, sin_table, _ = rope
-        q = torch.empty((x.shape[0], num_heads, key_cache.shape[-1]), dtype=x.dtype)
+        q = torch.empty((x.shape[0], num_heads, key_cache.shape[-1]), dtype=gemm_dtype(x, packed))
         self._gemm_linear_rotary_to_cache(x, packed, positions, cos_table, sin_table, q, key_cache, value_cache,
                                          slot_mapping.contiguous())
         return q
@@ -215,6 +216,13 @@ class CpuLayerOps(TorchLayerOps):
 
 LAYER_WEIGHTS = ("input_norm", "post_attention_norm", "qkv", "qkv_onednn", "o", "o_onednn", "gate_up",
                  "gate_up_onednn", "down", "down_onednn")  # CpuLayerOps.decoder_layers' weights of a layer
+
+
+def gemm_dtype(x: torch.Tensor, packed: torch.Tensor) -> torch.dtype:
+    """The model dtype of one of our GEMMs, which its outputs take: float32 only where both the
+    activations and the weight are float32 (bf16 weights on the float32 kernel take float32
+    activations holding bf16 values, widened already)."""
+    return torch.float32 if x.dtype == packed.dtype == torch.float32 else torch.bfloat16
 
 
 def interleave_gate_up(weight: torch.Tensor, block: int = 64) -> torch.Tensor:

@@ -45,6 +45,27 @@ def test_rms_norm_with_and_without_residual(ops, dtype, rows, hidden):
     assert ulps(out, want) <= 4
 
 
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("hidden", [576, 580])
+def test_rms_norm_of_bf16_into_float32_holds_the_bf16_result(ops, rows, hidden):
+    """A float32 out for bf16 x (what the float32 GEMM kernel reads in a bf16 model on a CPU without
+    bf16 dot products) holds exactly the bf16 out's values; the residual is updated alike."""
+    cpu, _ = ops
+    g = torch.Generator().manual_seed(rows + hidden)
+    x = (3 * torch.randn(rows, hidden, generator=g)).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(torch.bfloat16)
+    res = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
+    for residual in (None, res):
+        r16, r32 = (None, None) if residual is None else (residual.clone(), residual.clone())
+        want = cpu.rms_norm(x, r16, w, 1e-5)
+        got = torch.empty(rows, hidden)
+        torch.ops.pagoda_cpu.rms_norm(x, r32, w, 1e-5, got)
+        assert torch.equal(got, want.float())
+        assert residual is None or torch.equal(r32, r16)
+    with pytest.raises(RuntimeError, match="or be float32 for bf16 x"):
+        torch.ops.pagoda_cpu.rms_norm(x.float(), None, w.float(), 1e-5, torch.empty(rows, hidden, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,dim", [(9, 64), (3, 64), (4, 128)])
 def test_rotary_matches_torch_exactly(ops, dtype, heads, dim):
@@ -328,7 +349,9 @@ def test_bf16_weights_on_the_float32_kernel_give_what_their_float32_copies_give(
     """A bf16 model on a CPU without bf16 dot products keeps its bf16 weights, packed for the
     float32 kernel (``gemm_pack(w, float32_kernel=True)``), which widens each block as it goes:
     bitwise the float32 copies' results in every GEMM form, at every row count, from half the
-    bytes; float32 x is refused there."""
+    bytes. float32 x holding the bf16 values (widened already, as the layer stack hands them over)
+    gives the same bits, and gate/up can write its bf16 result into float32 (the down projection's
+    input)."""
     from pagoda_kernels.layer_ops import interleave_gate_up
 
     cpu = _gemm_ops(ops, torch.float32)
@@ -344,23 +367,35 @@ def test_bf16_weights_on_the_float32_kernel_give_what_their_float32_copies_give(
         assert torch.equal(full, cpu.gemm_linear(x, wide))
         for rows in (*range(1, 13), 40, 257):
             assert torch.equal(cpu.gemm_linear(x[-rows:].contiguous(), narrow), full[-rows:])
-        with pytest.raises(RuntimeError, match="take bf16 x; got Float"):
-            cpu.gemm_linear(x.float(), narrow)
+        widened = cpu.gemm_linear(x.float(), narrow)
+        assert widened.dtype == torch.bfloat16 and torch.equal(widened, full)
+        assert torch.equal(cpu.gemm_linear_argmax(x.float(), narrow, n), cpu.gemm_linear_argmax(x, narrow, n))
+        with pytest.raises(RuntimeError, match="out must be bf16"):
+            torch.ops.pagoda_cpu.gemm_linear(x.float(), narrow, torch.empty(600, n))
     w = (0.05 * torch.randn(512, 576, generator=g)).to(torch.bfloat16)
     x = (3 * torch.randn(300, 576, generator=g)).to(torch.bfloat16)
     gate_up = interleave_gate_up(w)
-    assert torch.equal(cpu.gemm_linear_silu_mul(x, cpu.gemm_pack(gate_up, float32_kernel=True)),
-                       cpu.gemm_linear_silu_mul(x, cpu.gemm_pack(gate_up.float())))
+    narrow = cpu.gemm_pack(gate_up, float32_kernel=True)
+    want = cpu.gemm_linear_silu_mul(x, narrow)
+    assert torch.equal(want, cpu.gemm_linear_silu_mul(x, cpu.gemm_pack(gate_up.float())))
+    assert torch.equal(cpu.gemm_linear_silu_mul(x.float(), narrow), want)
+    for xs in (x, x.float()):
+        into_f32 = torch.empty(300, 256)
+        torch.ops.pagoda_cpu.gemm_linear_silu_mul(xs, narrow, into_f32)
+        assert torch.equal(into_f32, want.float())
     heads, kvh, dim, max_pos, blocks, bs = 9, 3, 64, 512, 40, 16
     cos_t, sin_t = _rope_tables(dim, max_pos)
     w = (0.05 * torch.randn((heads + 2 * kvh) * dim, 576, generator=g)).to(torch.bfloat16)
     rope = cpu.rope_inputs(torch.randint(0, max_pos, (300,), generator=g), cos_t, sin_t, torch.bfloat16)
     slots = torch.randperm(blocks * bs, generator=g)[:293]
     results = []
-    for packed in (cpu.gemm_pack(w, float32_kernel=True), cpu.gemm_pack(w.float())):
+    narrow = cpu.gemm_pack(w, float32_kernel=True)
+    for xs, packed in ((x, narrow), (x, cpu.gemm_pack(w.float())), (x.float(), narrow)):
         kc, vc = (torch.zeros(blocks, bs, kvh, dim, dtype=torch.bfloat16) for _ in range(2))
-        results.append((cpu.gemm_linear_rotary_qkv_to_cache(x, packed, rope, heads, kc, vc, slots), kc, vc))
-    assert all(torch.equal(a, b) for a, b in zip(*results)) and results[0][1].abs().sum() > 0
+        results.append((cpu.gemm_linear_rotary_qkv_to_cache(xs, packed, rope, heads, kc, vc, slots), kc, vc))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    assert results[0][1].abs().sum() > 0
 
 
 @pytest.fixture
@@ -455,7 +490,7 @@ def test_gemms_reject_bad_shapes(ops, dtype):
     refused = torch.float32 if dtype == torch.bfloat16 else torch.float16
     with pytest.raises(RuntimeError, match="x must be .* got (Float|Half)"):
         cpu.gemm_linear(torch.zeros(2, 32, dtype=refused), packed)
-    with pytest.raises(RuntimeError, match="out must have x's dtype"):
+    with pytest.raises(RuntimeError, match="out must be (bf16|float32) .the model dtype"):
         torch.ops.pagoda_cpu.gemm_linear(torch.zeros(2, 32, dtype=dtype), packed, torch.zeros(2, 64, dtype=other))
     if dtype == torch.bfloat16:
         with pytest.raises(RuntimeError, match="even stride"):  # rows are read as pairs of k

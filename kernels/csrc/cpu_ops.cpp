@@ -78,6 +78,16 @@ int threads_for(int64_t elements) {
   return elements < (1 << 16) ? 1 : omp_get_max_threads();
 }
 
+// v rounded to T and stored in O: T itself, or float32 holding T's value (exactly widened: the
+// input of the float32 GEMM kernel, which would otherwise widen it in a pass of its own).
+template <typename T, typename O>
+inline void store_in(float v, O* dst) {
+  if constexpr (std::is_same_v<T, O>)
+    store(v, dst);
+  else
+    store(round_to(v, static_cast<T*>(nullptr)), dst);
+}
+
 // residual (if given) += x, rounded to T; out = weight * T(float(h) * rsqrt(mean(float(h)^2) + eps))
 // with h the (updated) residual or x. x, residual, out: [T, H] with row strides; weight [H].
 // The sum of squares is accumulated in double and rounded once: the correctly rounded float32
@@ -140,6 +150,13 @@ inline __m512d sq_hi(__m512 h) {
   __m512d d = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(h), 1)));
   return _mm512_mul_pd(d, d);
 }
+template <typename T, typename O>
+inline void store16_in(O* p, __m512 v) {
+  if constexpr (std::is_same_v<T, O>)
+    store16(p, v);
+  else
+    store16(p, round16(v, static_cast<T*>(nullptr)));
+}
 #define PAGODA_EW_AVX512 1
 #else
 #define PAGODA_EW_AVX512 0
@@ -173,18 +190,25 @@ inline double hsum4d(__m256d a) {
   __m128d s = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
   return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
 }
+template <typename T, typename O>
+inline void store8_in(O* p, __m256 v) {
+  if constexpr (std::is_same_v<T, O>)
+    store8(p, v);
+  else
+    store8(p, round8(v, static_cast<T*>(nullptr)));
+}
 #define PAGODA_EW_AVX2 1
 #else
 #define PAGODA_EW_AVX2 0
 #endif
 
-template <typename T>
-void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride, const T* weight, T* out,
+template <typename T, typename O = T>
+void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride, const T* weight, O* out,
                    int64_t out_stride, int64_t rows, int64_t hidden, float eps) {
 #pragma omp parallel for schedule(static) num_threads(threads_for(rows * hidden))
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * x_stride;
-    T* outr = out + r * out_stride;
+    O* outr = out + r * out_stride;
     T* hr = residual ? residual + r * res_stride : nullptr;
     int64_t i = 0;
     double sumsq = 0.0;
@@ -221,18 +245,18 @@ void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride
     const __m512 vinv = _mm512_set1_ps(inv);
     for (; i + 16 <= hidden; i += 16) {
       __m512 n = round16(_mm512_mul_ps(load16(src + i), vinv), static_cast<T*>(nullptr));
-      store16(outr + i, _mm512_mul_ps(load16(weight + i), n));
+      store16_in<T>(outr + i, _mm512_mul_ps(load16(weight + i), n));
     }
 #elif PAGODA_EW_AVX2
     const __m256 vinv = _mm256_set1_ps(inv);
     for (; i + 8 <= hidden; i += 8) {
       const __m256 n = round8(_mm256_mul_ps(load8(src + i), vinv), static_cast<T*>(nullptr));
-      store8(outr + i, _mm256_mul_ps(load8(weight + i), n));
+      store8_in<T>(outr + i, _mm256_mul_ps(load8(weight + i), n));
     }
 #endif
     for (; i < hidden; ++i) {
       float n = round_to(load(src[i]) * inv, static_cast<T*>(nullptr));
-      store(load(weight[i]) * n, &outr[i]);
+      store_in<T>(load(weight[i]) * n, &outr[i]);
     }
   }
 }
@@ -377,15 +401,18 @@ void check_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t hid
               " must be [", rows, ", ", hidden, "] with contiguous rows, got ", t.sizes(), " strides ", t.strides());
 }
 
-// out = RMSNorm(residual += x) when residual is given (updated in place), else RMSNorm(x).
+// out = RMSNorm(residual += x) when residual is given (updated in place), else RMSNorm(x). For bf16
+// x, out may be float32: it then holds the bf16 values exactly (what the float32 GEMM kernel takes).
 void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight, double eps,
               at::Tensor& out) {
   const int64_t rows = x.size(0), hidden = x.size(1);
   check_rows(x, "x", rows, hidden);
   check_rows(out, "out", rows, hidden);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden && weight.is_contiguous(), "weight must be [", hidden, "]");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == weight.scalar_type(),
-              "x, weight and out must share a dtype");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
+                  (out.scalar_type() == x.scalar_type() ||
+                   (x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kFloat)),
+              "x and weight must share a dtype, and out have it (or be float32 for bf16 x)");
   if (residual) {
     check_rows(*residual, "residual", rows, hidden);
     TORCH_CHECK(residual->scalar_type() == x.scalar_type(), "residual must have x's dtype");
@@ -397,12 +424,18 @@ void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, co
                            residual ? residual->stride(0) : 0, weight.data_ptr<float>(), out.data_ptr<float>(),
                            out.stride(0), rows, hidden, e);
       break;
-    case at::kBFloat16:
-      rms_norm_impl<bf16_t>(static_cast<const bf16_t*>(x.data_ptr()), x.stride(0),
-                            residual ? static_cast<bf16_t*>(residual->data_ptr()) : nullptr,
-                            residual ? residual->stride(0) : 0, static_cast<const bf16_t*>(weight.data_ptr()),
-                            static_cast<bf16_t*>(out.data_ptr()), out.stride(0), rows, hidden, e);
+    case at::kBFloat16: {
+      const auto* xp = static_cast<const bf16_t*>(x.data_ptr());
+      auto* rp = residual ? static_cast<bf16_t*>(residual->data_ptr()) : nullptr;
+      const int64_t rs = residual ? residual->stride(0) : 0;
+      const auto* wp = static_cast<const bf16_t*>(weight.data_ptr());
+      if (out.scalar_type() == at::kFloat)
+        rms_norm_impl<bf16_t, float>(xp, x.stride(0), rp, rs, wp, out.data_ptr<float>(), out.stride(0), rows, hidden, e);
+      else
+        rms_norm_impl<bf16_t>(xp, x.stride(0), rp, rs, wp, static_cast<bf16_t*>(out.data_ptr()), out.stride(0), rows,
+                              hidden, e);
       break;
+    }
     default:
       TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
   }
@@ -554,8 +587,8 @@ inline __m256 silu_bf16_gather8(__m256i idx, const uint16_t* table) {
 
 // o[i] = T(silu(g[i])) * u[i], rounded to T, for i < n: F.silu(gate) * up with the same arithmetic
 // as torch's kernels (float(x) / (1 + exp(-float(x))), rounded to T, then a rounded product).
-template <typename T>
-inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
+template <typename T, typename O = T>
+inline void silu_mul_row(const T* g, const T* u, O* o, int64_t n) {
   int64_t i = 0;
 #if PAGODA_EW_AVX512 || PAGODA_EW_AVX2
   [[maybe_unused]] const uint16_t* table = std::is_same_v<T, bf16_t> ? silu_bf16_table() : nullptr;
@@ -572,7 +605,7 @@ inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
       } else {
         s = silu_exact16(load16(g + i + h));
       }
-      store16(o + i + h, _mm512_mul_ps(s, load16(u + i + h)));
+      store16_in<T>(o + i + h, _mm512_mul_ps(s, load16(u + i + h)));
     }
   }
 #elif PAGODA_EW_AVX2
@@ -587,14 +620,14 @@ inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
       } else {
         s = silu_exact8(load8(g + i + h));
       }
-      store8(o + i + h, _mm256_mul_ps(s, load8(u + i + h)));
+      store8_in<T>(o + i + h, _mm256_mul_ps(s, load8(u + i + h)));
     }
   }
 #endif
   for (; i < n; ++i) {
     const float x = load(g[i]);
     const float s = round_to(x / (1.f + std::exp(-x)), static_cast<T*>(nullptr));
-    store(s * load(u[i]), &o[i]);
+    store_in<T>(s * load(u[i]), &o[i]);
   }
 }
 
@@ -1194,7 +1227,13 @@ void run_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group, E
 
 // x [M, K] with contiguous rows and a weight packed for it: bf16 weights take bf16 x; float32
 // weights take float32 x, or bf16 x (widened; the output is rounded to bf16); bf16 weights packed
-// for the float32 kernel take bf16 x.
+// for the float32 kernel take bf16 x, or float32 x holding bf16 values (widened already: rms_norm
+// and gemm_linear_silu_mul can write it so). The call's model dtype (bf16_model) is float32 only
+// where both x and the weight are float32; outputs are rounded to it.
+inline bool bf16_model(const at::Tensor& x, const at::Tensor& packed) {
+  return x.scalar_type() == at::kBFloat16 || packed.scalar_type() == at::kBFloat16;
+}
+
 void check_gemm(const at::Tensor& x, const at::Tensor& packed, const char* name) {
   const bool f32 = f32_kernel(packed);
   TORCH_CHECK(f32 ? gemm_f32_supported() : gemm_supported(), name, ": this CPU has no ",
@@ -1204,8 +1243,6 @@ void check_gemm(const at::Tensor& x, const at::Tensor& packed, const char* name)
                   (f32 || x.stride(0) % 2 == 0),
               name, ": x must be [M, K] with contiguous rows, bf16 (at an even stride for bf16 weights) or, for "
               "float32 weights, float32; got ", x.scalar_type());
-  TORCH_CHECK(!f32 || packed.scalar_type() == at::kFloat || x_bf16, name,
-              ": bf16 weights packed for the float32 kernel take bf16 x; got ", x.scalar_type());
   const bool ok = f32 ? packed.dim() == 4 && packed.is_contiguous() &&
                             packed.size(1) * kGemmPanelF32 == kGemmBlockN && packed.size(2) == x.size(1) &&
                             packed.size(3) == kGemmPanelF32
@@ -1218,9 +1255,11 @@ void gemm_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out)
   check_gemm(x, packed, "gemm_linear");
   const int64_t n = packed.size(0) * kGemmBlockN;
   check_rows(out, "out", x.size(0), n);
-  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "out must have x's dtype");
+  const bool bf16 = bf16_model(x, packed);
+  TORCH_CHECK(out.scalar_type() == (bf16 ? at::kBFloat16 : at::kFloat), "out must be ", bf16 ? "bf16" : "float32",
+              " (the model dtype of x and the weight)");
   const int64_t ldo = out.stride(0);
-  if (x.scalar_type() == at::kFloat) {
+  if (!bf16) {
     float* o = out.data_ptr<float>();
     run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
       for (int64_t r = 0; r < rows; ++r)
@@ -1228,7 +1267,7 @@ void gemm_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out)
     });
     return;
   }
-  if (f32_kernel(packed)) {  // bf16 x on the float32 kernel
+  if (f32_kernel(packed)) {  // a bf16 model on the float32 kernel
     auto* o = static_cast<bf16_t*>(out.data_ptr());
     run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
       for (int64_t r = 0; r < rows; ++r) round_block_row(c + r * kGemmBlockN, o + (r0 + r) * ldo + g * kGemmBlockN);
@@ -1259,7 +1298,7 @@ void gemm_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t v
   // Each (row, block)'s winner: its value, and its column in the block (-1: a NaN there, first NaN).
   std::vector<float> best(m * used);
   std::vector<int8_t> where(m * used);
-  const bool f32 = x.scalar_type() == at::kFloat, round_f32_kernel = !f32 && f32_kernel(packed);
+  const bool f32 = !bf16_model(x, packed), round_f32_kernel = !f32 && f32_kernel(packed);
   run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
     if (g >= used) return;
     const int64_t cols = std::min(kGemmBlockN, valid - g * kGemmBlockN);
@@ -1314,9 +1353,13 @@ void gemm_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Ten
   TORCH_CHECK(packed.size(0) % 2 == 0, "gemm_linear_silu_mul: packed must hold gate / up block pairs");
   const int64_t inter = packed.size(0) / 2 * kGemmBlockN;
   check_rows(out, "out", x.size(0), inter);
-  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "out must have x's dtype");
+  const bool bf16 = bf16_model(x, packed);
+  TORCH_CHECK(bf16 ? out.scalar_type() == at::kBFloat16 || (out.scalar_type() == at::kFloat && f32_kernel(packed))
+                   : out.scalar_type() == at::kFloat,
+              "out must be float32 for a float32 model; bf16 for a bf16 one (x or the weight bf16), or on the "
+              "float32 kernel float32 holding its bf16 values (the down projection's input, widened already)");
   const int64_t ldo = out.stride(0);
-  if (x.scalar_type() == at::kFloat) {
+  if (!bf16) {
     float* o = out.data_ptr<float>();
     run_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
       const float* cu = c + kGemmBlockM * kGemmBlockN;
@@ -1325,35 +1368,41 @@ void gemm_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Ten
     });
     return;
   }
-  if (f32_kernel(packed)) {  // bf16 x on the float32 kernel: gate and up rounded to bf16 first
-    auto* o = static_cast<bf16_t*>(out.data_ptr());
+  if (f32_kernel(packed)) {  // a bf16 model on the float32 kernel: gate and up rounded to bf16 first
+    const auto epilogue = [&](auto* o) {
 #if PAGODA_EW_AVX2
-    const uint16_t* table = silu_bf16_table();  // built once, before the threads start
-    // Straight from the sums: gate rounded in its lanes indexes the table, up rounded in its lanes
-    // is the bf16 value as a float (silu_mul_row on the rounded rows, without storing them).
-    run_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
-      const float* cu = c + kGemmBlockM * kGemmBlockN;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < kGemmBlockN; j += 8) {
-          const __m256 s = silu_bf16_gather8(bf16_bits_lanes(_mm256_loadu_ps(c + r * kGemmBlockN + j)), table);
-          const __m256 up = round8(_mm256_loadu_ps(cu + r * kGemmBlockN + j), static_cast<bf16_t*>(nullptr));
-          store8(o + (r0 + r) * ldo + g * kGemmBlockN + j, _mm256_mul_ps(s, up));
-        }
-    });
+      const uint16_t* table = silu_bf16_table();  // built once, before the threads start
+      // Straight from the sums: gate rounded in its lanes indexes the table, up rounded in its lanes
+      // is the bf16 value as a float (silu_mul_row on the rounded rows, without storing them).
+      run_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
+        const float* cu = c + kGemmBlockM * kGemmBlockN;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < kGemmBlockN; j += 8) {
+            const __m256 s = silu_bf16_gather8(bf16_bits_lanes(_mm256_loadu_ps(c + r * kGemmBlockN + j)), table);
+            const __m256 up = round8(_mm256_loadu_ps(cu + r * kGemmBlockN + j), static_cast<bf16_t*>(nullptr));
+            store8_in<bf16_t>(o + (r0 + r) * ldo + g * kGemmBlockN + j, _mm256_mul_ps(s, up));
+          }
+      });
 #else
 #if PAGODA_EW_AVX512
-    silu_bf16_table();  // built once, before the threads start
+      silu_bf16_table();  // built once, before the threads start
 #endif
-    run_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
-      const float* cu = c + kGemmBlockM * kGemmBlockN;
-      alignas(64) bf16_t gate[kGemmBlockN], up[kGemmBlockN];
-      for (int64_t r = 0; r < rows; ++r) {
-        round_block_row(c + r * kGemmBlockN, gate);
-        round_block_row(cu + r * kGemmBlockN, up);
-        silu_mul_row(gate, up, o + (r0 + r) * ldo + g * kGemmBlockN, kGemmBlockN);
-      }
-    });
+      using O = std::remove_pointer_t<decltype(o)>;
+      run_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
+        const float* cu = c + kGemmBlockM * kGemmBlockN;
+        alignas(64) bf16_t gate[kGemmBlockN], up[kGemmBlockN];
+        for (int64_t r = 0; r < rows; ++r) {
+          round_block_row(c + r * kGemmBlockN, gate);
+          round_block_row(cu + r * kGemmBlockN, up);
+          silu_mul_row<bf16_t, O>(gate, up, o + (r0 + r) * ldo + g * kGemmBlockN, kGemmBlockN);
+        }
+      });
 #endif
+    };
+    if (out.scalar_type() == at::kFloat)
+      epilogue(out.data_ptr<float>());
+    else
+      epilogue(static_cast<bf16_t*>(out.data_ptr()));
     return;
   }
 #if PAGODA_GEMM_BF16
@@ -1404,15 +1453,15 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
                                  at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   check_gemm(x, packed, "gemm_linear_rotary_to_cache");
   const int64_t m = x.size(0), heads = q_out.size(1), dim = kGemmBlockN;
-  const auto dtype = x.scalar_type();
+  const auto dtype = bf16_model(x, packed) ? at::kBFloat16 : at::kFloat;  // of q_out and the caches
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(3) == dim && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes() &&
                   key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
-              "caches must be contiguous [num_blocks, block_size, kv_heads, 64] alike, in x's dtype");
+              "caches must be contiguous [num_blocks, block_size, kv_heads, 64] alike, in the model dtype");
   const int64_t kv_heads = key_cache.size(2);
   TORCH_CHECK(packed.size(0) == heads + 2 * kv_heads, "packed must hold ", heads + 2 * kv_heads, " head blocks");
   TORCH_CHECK(q_out.dim() == 3 && q_out.size(0) == m && q_out.size(2) == dim && q_out.is_contiguous() &&
-                  q_out.scalar_type() == dtype, "q_out must be contiguous [M, H, 64] in x's dtype");
+                  q_out.scalar_type() == dtype, "q_out must be contiguous [M, H, 64] in the model dtype");
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == m && positions.scalar_type() == at::kLong &&
                   positions.is_contiguous(), "positions must be contiguous int64 [M]");
   TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
@@ -1437,7 +1486,7 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
     });
     return;
   }
-  if (f32_kernel(packed)) {  // bf16 x on the float32 kernel
+  if (f32_kernel(packed)) {  // a bf16 model on the float32 kernel
     run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
       rotary_to_cache_rows<bf16_t>(r0, rows, h, c, round_block_row, static_cast<bf16_t*>(q_out.data_ptr()),
                                    static_cast<bf16_t*>(key_cache.data_ptr()),
@@ -1523,8 +1572,18 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   const int64_t head_dim = kv_caches[0].size(-1);
   const bool gemm_rows = gemm_max_rows < 0 || t <= gemm_max_rows;
   const int threads = at::get_num_threads();
+  // A bf16 model whose QKV, gate/up and down weights are bf16 on the float32 kernel: the RMSNorm and
+  // silu * up outputs, which only those GEMMs read, go to float32 buffers holding their bf16 values,
+  // so the GEMMs do not widen them in passes of their own (bitwise the same).
+  bool widened = gemm_rows && h.scalar_type() == at::kBFloat16;
+  for (int64_t i = 0; i < layers && widened; ++i)
+    for (const int64_t j : {2, 6, 8}) {
+      const at::Tensor& wj = weights[i * kLayerWeights + j];
+      widened = widened && given(wj) && wj.scalar_type() == at::kBFloat16 && f32_kernel(wj);
+    }
+  const auto act_options = widened ? h.options().dtype(at::kFloat) : h.options();
   // One buffer per activation for all the layers (oneDNN's projections return their own).
-  at::Tensor x = at::empty(h.sizes(), h.options()), o = at::empty(h.sizes(), h.options());
+  at::Tensor x = at::empty(h.sizes(), act_options), o = at::empty(h.sizes(), h.options());
   at::Tensor down = at::empty(h.sizes(), h.options());
   at::Tensor q = at::empty({t, num_heads, head_dim}, h.options()), attn = at::empty(q.sizes(), q.options());
   at::Tensor attn2d = attn.view({t, num_heads * head_dim});
@@ -1557,7 +1616,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor proj = project(attn2d, w[4], w[5], gemm_rows, o);
     rms_norm(proj, residual, w[1], eps, x);
     if (given(w[6])) {
-      if (!act.defined()) act = at::empty({t, w[6].size(0) / 2 * kGemmBlockN}, h.options());
+      if (!act.defined()) act = at::empty({t, w[6].size(0) / 2 * kGemmBlockN}, act_options);
       gemm_linear_silu_mul(x, w[6], act);
     } else {
       TORCH_CHECK(given(w[7]), "decoder_layers: layer ", i, " has no gate/up weight");
