@@ -231,7 +231,10 @@ def test_greedy_steps_take_the_argmax_inside_the_lm_head_with_the_same_tokens(ti
     model.greedy_tokens = lambda hidden, vocab_size: None  # the logits, then the sampler's argmax
     want = [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)]
     assert got == want
-    ours = llm.llm_engine.runner.bf16_gemm if dtype == "bfloat16" else llm.llm_engine.runner.f32_gemm
+    # Ours: the bf16 GEMMs (AVX512-BF16 or AMX), or the float32 kernel (a float32 model, or a bf16
+    # model's bf16 weights on a CPU without bf16 dot products).
+    runner = llm.llm_engine.runner
+    ours = runner.bf16_gemm or runner.f32_gemm
     assert fused and all(fused) == bool(ours) and any(fused) == bool(ours)
     # Logprobs (or any sampled row) in a step: that step computes the logits and counts nothing here.
     model.greedy_tokens = counted
