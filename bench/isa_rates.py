@@ -1,6 +1,6 @@
 """How many multiply-adds a second one core's dot-product instructions give, by instruction set.
 
-    python bench/isa_rates.py
+    python bench/isa_rates.py [--all-cores]
 
 Compiles a small C++ probe with g++ -O3 -march=native and times, on one thread, long runs of
 independent accumulations (24 vector accumulators, 4 AMX tiles) for every instruction this CPU
@@ -12,6 +12,8 @@ more multiply-adds than bf16 there: bench/RESULTS.md, forty-fifth session.)
 """
 from __future__ import annotations
 
+import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -20,6 +22,7 @@ from pathlib import Path
 PROBE = r"""
 #include <immintrin.h>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -62,6 +65,37 @@ int main() {
 #if defined(__AVX512BF16__)
   VEC_PROBE("vdpbf16ps zmm (bf16)", 32, __m512, _mm512_set1_ps(1.f),
             _mm512_dpbf16_ps(acc[i], (__m512bh)a, (__m512bh)a), _mm512_add_ps(s, acc[i]))
+#endif
+#if defined(__AVX512BF16__)
+  {  // the GEMM's micro-kernel as cpu_ops.cpp's dp_rows<6> runs it, on an L1-resident A and B
+    constexpr int kPairs = 32;
+    alignas(64) static uint32_t a[6][kPairs] = {};
+    alignas(64) static uint16_t b[kPairs][128] = {};
+    __m512 acc[6][4];
+    for (auto& r : acc)
+      for (auto& v : r) v = _mm512_setzero_ps();
+    const long iters = kIters / kPairs;
+    const auto t0 = clk::now();
+    for (long it = 0; it < iters; ++it) {
+      for (int p = 0; p < kPairs; ++p) {
+        const __m512bh b0 = (__m512bh)_mm512_load_si512(b[p]), b1 = (__m512bh)_mm512_load_si512(b[p] + 32),
+                       b2 = (__m512bh)_mm512_load_si512(b[p] + 64), b3 = (__m512bh)_mm512_load_si512(b[p] + 96);
+        for (int r = 0; r < 6; ++r) {
+          const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r][p]));
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, b0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, b1);
+          acc[r][2] = _mm512_dpbf16_ps(acc[r][2], av, b2);
+          acc[r][3] = _mm512_dpbf16_ps(acc[r][3], av, b3);
+        }
+      }
+      asm volatile("" : : "r"(&a[0][0]), "r"(&b[0][0]) : "memory");
+    }
+    report("vdpbf16ps zmm, the GEMM's 6 x 64 loop from L1", iters * kPairs * 24, 32, t0);
+    __m512 s = _mm512_setzero_ps();
+    for (auto& r : acc)
+      for (auto& v : r) s = _mm512_add_ps(s, v);
+    asm volatile("" : : "v"(s));
+  }
 #endif
 #if defined(__AVX512VNNI__)
   VEC_PROBE("vpdpbusd zmm (int8)", 64, __m512i, _mm512_set1_epi32(0x01010101), _mm512_dpbusd_epi32(acc[i], a, a),
@@ -107,11 +141,26 @@ int main() {
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--all-cores", action="store_true",
+                    help="also run the probe on every core at once, one process pinned to each, and print each "
+                         "core's table (what a core gets while the others work, as in the engine's GEMMs)")
+    args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         src, exe = Path(d) / "probe.cpp", Path(d) / "probe"
         src.write_text(PROBE)
         subprocess.run(["g++", "-O3", "-march=native", "-o", str(exe), str(src)], check=True)
         print(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout, end="")
+        if args.all_cores:
+            cores = sorted(os.sched_getaffinity(0))
+            procs = [subprocess.Popen([str(exe)], stdout=subprocess.PIPE, text=True,
+                                      preexec_fn=lambda c=c: os.sched_setaffinity(0, {c})) for c in cores]
+            for c, proc in zip(cores, procs):
+                out, _ = proc.communicate()
+                if proc.returncode:
+                    raise SystemExit(f"the probe on core {c} exited with {proc.returncode}")
+                print(f"\nCore {c}, with all {len(cores)} cores running the probe at once:")
+                print(out.replace("(one core)", f"(core {c})"), end="")
     return 0
 
 
