@@ -11,7 +11,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def cpu_has_bf16_dot() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512_BF16 or AMX); without, torch's bf16 GEMM
     converts in its inner loop and runs ~3x slower than float32 (measured: 44 vs 150 GFLOP/s on a
-    2-core AVX-512 Xeon without AVX512_BF16)."""
+    2-core AVX-512 Xeon without AVX512_BF16). Not where torch's kernels are held below AVX-512
+    (ATEN_CPU_CAPABILITY=avx2 or default, as when testing another CPU's paths: kernels/README.md)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 

@@ -15,7 +15,8 @@ other dtypes and CPUs use the torch path).
 The extension is compiled at first use with ``torch.utils.cpp_extension.load`` (needs ``ninja``
 and a C++ compiler; a few seconds) into ``$PAGODA_CACHE_DIR/torch_extensions`` (default
 ``~/.cache/pagoda``), in a directory keyed by the host CPU's features since it is built with
-``-march=native``. Later processes reuse the build.
+``-march=native`` (or ``-march=$PAGODA_CPU_MARCH``, to test another CPU's paths here). Later processes
+reuse the build.
 """
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "cpu_ops.cpp"]
 _NAME = "pagoda_cpu_kernels"
 # -ffp-contract=off: cpu_ops.cpp reproduces torch's separately rounded multiplies and adds.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
+# PAGODA_CPU_MARCH builds for a lesser instruction set than the host's (haswell: AVX2 + FMA without
+# AVX-512; x86-64-v2: neither), so one machine can run the paths every other CPU takes.
+_MARCH = os.environ.get("PAGODA_CPU_MARCH") or "native"
+_CFLAGS = ["-O3", f"-march={_MARCH}", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
 _LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
@@ -67,6 +71,30 @@ def _host_tag() -> str:
     key = "|".join([flags, torch.__version__, sys.version.split()[0], platform.machine(), " ".join(_CFLAGS),
                     sys.prefix])
     return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+# The instruction-set flags the kernels' code paths depend on: gcc's macro -> /proc/cpuinfo's name.
+_ISA_MACROS = {"__AVX2__": "avx2", "__FMA__": "fma", "__AVX512F__": "avx512f", "__AVX512BF16__": "avx512_bf16",
+               "__AMX_TILE__": "amx_tile", "__AMX_BF16__": "amx_bf16"}
+
+
+def build_cpu_flags() -> frozenset[str]:
+    """The CPU flags (``/proc/cpuinfo``'s names, of those in ``_ISA_MACROS``) the extension is built
+    to use: the host's, or under ``PAGODA_CPU_MARCH`` those of that ``-march`` the host also has."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            host = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        host = []
+    wanted = set(_ISA_MACROS.values()) & set(host)
+    if _MARCH == "native":
+        return frozenset(wanted)
+    import subprocess
+
+    out = subprocess.run(["g++", f"-march={_MARCH}", "-dM", "-E", "-x", "c++", "/dev/null"], check=True,
+                         capture_output=True, text=True).stdout
+    defined = {line.split()[1] for line in out.splitlines() if line.startswith("#define ")}
+    return frozenset(name for macro, name in _ISA_MACROS.items() if macro in defined and name in wanted)
 
 
 def _ensure_ninja_on_path() -> None:

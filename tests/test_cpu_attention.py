@@ -3,13 +3,12 @@ and against TorchAttention."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
 from pagoda_kernels.attention import AttentionMetadata, TorchAttention, write_kv
-from pagoda_kernels.cpu_attention import (CpuAttention, load_extension, paged_decode_attention,
+from pagoda_kernels.cpu_attention import (CpuAttention, build_cpu_flags, load_extension, paged_decode_attention,
                                           paged_prefill_attention, prefill_supported)
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
@@ -326,8 +325,8 @@ def each_prefill_variant():
 
 def test_prefill_uses_amx_where_the_cpu_has_it():
     """AMX is the bf16 prefill path on CPUs with AMX-BF16 (Linux grants the tile state), and off elsewhere."""
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    cpu_has_amx = " amx_bf16" in flags and " amx_tile" in flags and torch.bfloat16 in PREFILL_DTYPES
+    flags = build_cpu_flags()
+    cpu_has_amx = "amx_bf16" in flags and "amx_tile" in flags and torch.bfloat16 in PREFILL_DTYPES
     assert PREFILL_AMX == cpu_has_amx
     if PREFILL_AMX:
         assert torch.ops.pagoda_cpu.set_prefill_amx(False) is False
