@@ -1,7 +1,7 @@
 """The kernels' paths for CPUs with less than this one has, run here: the kernel tests again in a
 child pytest, with the extension built for a lesser ``-march`` (``PAGODA_CPU_MARCH``) and torch's own
-kernels held to the matching capability (``ATEN_CPU_CAPABILITY``), so that a torch reference takes
-the path it takes on such a CPU. An AVX-512 host so checks the AVX2 + FMA paths (Zen 3's), and an
+kernels and oneDNN's held to the matching width (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``), so
+that a torch reference takes the path it takes on such a CPU. An AVX-512 host so checks the AVX2 + FMA paths (Zen 3's), and an
 AVX2 host the scalar ones; each is skipped where it would only repeat the host's own run."""
 from __future__ import annotations
 
@@ -22,19 +22,20 @@ KERNEL_TESTS = ["tests/test_layer_ops.py", "tests/test_cpu_attention.py", "tests
                 "tests/test_engine.py::test_decoder_layers_in_one_call_give_the_python_layers_logits",
                 "tests/test_engine.py::test_greedy_steps_take_the_argmax_inside_the_lm_head_with_the_same_tokens"]
 
-# (-march, ATEN_CPU_CAPABILITY, the flags the build then uses, the host flag without which it repeats the host)
-LESSER = [pytest.param("haswell", "avx2", {"avx2", "fma"}, "avx512f", id="avx2-fma"),
-          pytest.param("x86-64-v2", "default", set(), "avx2", id="no-avx2")]
+# (-march, ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, the flags the build then uses, the host flag
+# without which it repeats the host)
+LESSER = [pytest.param("haswell", "avx2", "AVX2", {"avx2", "fma"}, "avx512f", id="avx2-fma"),
+          pytest.param("x86-64-v2", "default", "SSE41", set(), "avx2", id="no-avx2")]
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the lesser -march targets are x86-64's")
 @pytest.mark.skipif(bool(os.environ.get("PAGODA_CPU_MARCH")), reason="already under a lesser -march")
-@pytest.mark.parametrize("march,capability,flags,above", LESSER)
-def test_kernel_tests_pass_built_for_a_lesser_cpu(march, capability, flags, above):
+@pytest.mark.parametrize("march,capability,onednn,flags,above", LESSER)
+def test_kernel_tests_pass_built_for_a_lesser_cpu(march, capability, onednn, flags, above):
     host = build_cpu_flags()
     if above not in host:
         pytest.skip(f"this CPU has no {above}: its own run already takes the {march} paths")
-    env = dict(os.environ, PAGODA_CPU_MARCH=march, ATEN_CPU_CAPABILITY=capability)
+    env = dict(os.environ, PAGODA_CPU_MARCH=march, ATEN_CPU_CAPABILITY=capability, ONEDNN_MAX_CPU_ISA=onednn)
     probe = subprocess.run([sys.executable, "-c", "from pagoda_kernels.cpu_attention import build_cpu_flags as f; "
                             "print(' '.join(sorted(f())))"], env=env, cwd=ROOT, capture_output=True, text=True)
     assert probe.returncode == 0, probe.stderr

@@ -145,11 +145,6 @@ inline __m512 add_store16(__m512 h, bf16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 inline void store16(bf16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v)); }
-inline __m512d sq_lo(__m512 h) { __m512d d = _mm512_cvtps_pd(_mm512_castps512_ps256(h)); return _mm512_mul_pd(d, d); }
-inline __m512d sq_hi(__m512 h) {
-  __m512d d = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(h), 1)));
-  return _mm512_mul_pd(d, d);
-}
 template <typename T, typename O>
 inline void store16_in(O* p, __m512 v) {
   if constexpr (std::is_same_v<T, O>)
@@ -202,6 +197,100 @@ inline void store8_in(O* p, __m256 v) {
 #define PAGODA_EW_AVX2 0
 #endif
 
+// The elementwise ops' float vector, one implementation a width (AVX-512's 16 lanes, AVX2's 8), so
+// that rms_norm_impl, RowRotator, silu_mul_row and the GEMM epilogues are written once. Each width
+// keeps its own lane order and its own sums: its results are what they were.
+#if PAGODA_EW_AVX512
+struct Vec {
+  using V = __m512;
+  static constexpr int64_t kLanes = 16;
+  template <typename T>
+  static V load(const T* p) { return load16(p); }
+  template <typename T>
+  static void store(T* p, V v) { store16(p, v); }
+  // v rounded to T (its value as a float)
+  template <typename T>
+  static V round(V v) { return round16(v, static_cast<T*>(nullptr)); }
+  template <typename T, typename O>
+  static void store_in(O* p, V v) { store16_in<T>(p, v); }
+  // *p = T(h + *p); returns the value stored
+  template <typename T>
+  static V add_store(V h, T* p) { return add_store16(h, p); }
+  static V set1(float f) { return _mm512_set1_ps(f); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V neg(V a) {  // exact
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN)));
+  }
+  // The lanes' bf16 bits (of v rounded to bf16) in the low halves of 32-bit lanes: a table index.
+  using Idx = __m512i;
+  static Idx bf16_index(V v) { return _mm512_cvtepu16_epi32(to_bf16_bits(v)); }
+  static Idx bf16_index(const bf16_t* p) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static Idx iota(int32_t b) {
+    return _mm512_add_epi32(_mm512_set1_epi32(b), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  }
+  static V bf16_value(Idx bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)); }
+  // The 16-bit entries of table at the indices, as the bf16 values they hold.
+  static V gather_bf16(Idx idx, const uint16_t* table) { return bf16_value(_mm512_i32gather_epi32(idx, table, 2)); }
+  // Sums of h * h (each float product exactly widened) in double, 2 x 8 lanes.
+  struct SumSq {
+    __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+    void add(V h) {
+      const V hsq = _mm512_mul_ps(h, h);  // the float product the scalar loop widens
+      a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm512_castps512_ps256(hsq)));
+      a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(hsq), 1))));
+    }
+    double sum() const { return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1)); }
+  };
+};
+#elif PAGODA_EW_AVX2
+struct Vec {
+  using V = __m256;
+  static constexpr int64_t kLanes = 8;
+  template <typename T>
+  static V load(const T* p) { return load8(p); }
+  template <typename T>
+  static void store(T* p, V v) { store8(p, v); }
+  template <typename T>
+  static V round(V v) { return round8(v, static_cast<T*>(nullptr)); }
+  template <typename T, typename O>
+  static void store_in(O* p, V v) { store8_in<T>(p, v); }
+  template <typename T>
+  static V add_store(V h, T* p) {
+    const V s = round8(_mm256_add_ps(h, load8(p)), static_cast<T*>(nullptr));
+    store8(p, s);
+    return s;
+  }
+  static V set1(float f) { return _mm256_set1_ps(f); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V neg(V a) { return _mm256_xor_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN))); }
+  using Idx = __m256i;
+  static Idx bf16_index(V v) { return bf16_bits_lanes(v); }
+  static Idx bf16_index(const bf16_t* p) {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static Idx iota(int32_t b) { return _mm256_add_epi32(_mm256_set1_epi32(b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+  static V bf16_value(Idx bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)); }
+  static V gather_bf16(Idx idx, const uint16_t* table) {
+    return bf16_value(_mm256_i32gather_epi32(reinterpret_cast<const int*>(table), idx, 2));
+  }
+  // 2 x 4 lanes
+  struct SumSq {
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    void add(V h) {
+      const V hsq = _mm256_mul_ps(h, h);
+      a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(hsq)));
+      a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(hsq, 1)));
+    }
+    double sum() const { return hsum4d(_mm256_add_pd(a0, a1)); }
+  };
+};
+#endif
+#define PAGODA_EW_VEC (PAGODA_EW_AVX512 || PAGODA_EW_AVX2)
+
 template <typename T, typename O = T>
 void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride, const T* weight, O* out,
                    int64_t out_stride, int64_t rows, int64_t hidden, float eps) {
@@ -212,46 +301,25 @@ void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride
     T* hr = residual ? residual + r * res_stride : nullptr;
     int64_t i = 0;
     double sumsq = 0.0;
-#if PAGODA_EW_AVX512
+#if PAGODA_EW_VEC
     // h*h is exact in double, like the float product widened in the scalar loop: the same sum.
-    __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
-    for (; i + 16 <= hidden; i += 16) {
-      __m512 h = load16(xr + i);
-      if (hr) h = add_store16(h, hr + i);
-      __m512 hsq = _mm512_mul_ps(h, h);  // the float product the scalar loop widens
-      acc0 = _mm512_add_pd(acc0, _mm512_cvtps_pd(_mm512_castps512_ps256(hsq)));
-      acc1 = _mm512_add_pd(acc1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(hsq), 1))));
+    Vec::SumSq acc;
+    for (; i + Vec::kLanes <= hidden; i += Vec::kLanes) {
+      Vec::V h = Vec::load(xr + i);
+      if (hr) h = Vec::add_store(h, hr + i);
+      acc.add(h);
     }
-    sumsq = _mm512_reduce_add_pd(_mm512_add_pd(acc0, acc1));
-#elif PAGODA_EW_AVX2
-    __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
-    for (; i + 8 <= hidden; i += 8) {
-      __m256 h = load8(xr + i);
-      if (hr) {
-        h = round8(_mm256_add_ps(h, load8(hr + i)), static_cast<T*>(nullptr));
-        store8(hr + i, h);
-      }
-      const __m256 hsq = _mm256_mul_ps(h, h);
-      acc0 = _mm256_add_pd(acc0, _mm256_cvtps_pd(_mm256_castps256_ps128(hsq)));
-      acc1 = _mm256_add_pd(acc1, _mm256_cvtps_pd(_mm256_extractf128_ps(hsq, 1)));
-    }
-    sumsq = hsum4d(_mm256_add_pd(acc0, acc1));
+    sumsq = acc.sum();
 #endif
     sumsq += rms_row_scalar(xr, hr, i, hidden);
     const T* src = hr ? hr : xr;
     const float inv = 1.f / std::sqrt(static_cast<float>(sumsq) / static_cast<float>(hidden) + eps);
     i = 0;
-#if PAGODA_EW_AVX512
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (; i + 16 <= hidden; i += 16) {
-      __m512 n = round16(_mm512_mul_ps(load16(src + i), vinv), static_cast<T*>(nullptr));
-      store16_in<T>(outr + i, _mm512_mul_ps(load16(weight + i), n));
-    }
-#elif PAGODA_EW_AVX2
-    const __m256 vinv = _mm256_set1_ps(inv);
-    for (; i + 8 <= hidden; i += 8) {
-      const __m256 n = round8(_mm256_mul_ps(load8(src + i), vinv), static_cast<T*>(nullptr));
-      store8_in<T>(outr + i, _mm256_mul_ps(load8(weight + i), n));
+#if PAGODA_EW_VEC
+    const Vec::V vinv = Vec::set1(inv);
+    for (; i + Vec::kLanes <= hidden; i += Vec::kLanes) {
+      const Vec::V n = Vec::round<T>(Vec::mul(Vec::load(src + i), vinv));
+      Vec::store_in<T>(outr + i, Vec::mul(Vec::load(weight + i), n));
     }
 #endif
     for (; i < hidden; ++i) {
@@ -269,77 +337,42 @@ void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride
 template <typename T>
 struct RowRotator {
   int64_t half;
-#if PAGODA_EW_AVX512
-  // The same arithmetic 16 lanes at a time: 2.1x the auto-vectorized loop below on the q of a
-  // 2048-token SmolLM2 step (Zen 4).
+#if PAGODA_EW_VEC
+  // The same arithmetic a vector at a time: 2.1x the auto-vectorized loop below on the q of a
+  // 2048-token SmolLM2 step (Zen 4, 16 lanes); the QKV GEMM's rotary epilogue ~2x on Zen 3 (8).
   bool vec;
   int64_t hv;
-  __m512 cr[16], sr[16];
-#elif PAGODA_EW_AVX2
-  // 8 lanes at a time (Zen 3: the QKV GEMM's rotary epilogue ~2x the loop below).
-  bool vec;
-  int64_t hv;
-  __m256 cr[32], sr[32];
+  Vec::V cr[256 / Vec::kLanes], sr[256 / Vec::kLanes];
 #endif
   const float* c;
   const float* s;
 
   RowRotator(const float* cos_row, const float* sin_row, int64_t dim) : half(dim / 2), c(cos_row), s(sin_row) {
-#if PAGODA_EW_AVX512
-    const T* tag = nullptr;
-    vec = half % 16 == 0 && dim <= 256;
-    hv = half / 16;
+#if PAGODA_EW_VEC
+    vec = half % Vec::kLanes == 0 && dim <= 256;
+    hv = half / Vec::kLanes;
     if (vec)
       for (int64_t v = 0; v < 2 * hv; ++v) {
-        cr[v] = round16(_mm512_loadu_ps(c + 16 * v), tag);
-        sr[v] = round16(_mm512_loadu_ps(s + 16 * v), tag);
-      }
-#elif PAGODA_EW_AVX2
-    const T* tag = nullptr;
-    vec = half % 8 == 0 && dim <= 256;
-    hv = half / 8;
-    if (vec)
-      for (int64_t v = 0; v < 2 * hv; ++v) {
-        cr[v] = round8(_mm256_loadu_ps(c + 8 * v), tag);
-        sr[v] = round8(_mm256_loadu_ps(s + 8 * v), tag);
+        cr[v] = Vec::round<T>(Vec::load(c + Vec::kLanes * v));
+        sr[v] = Vec::round<T>(Vec::load(s + Vec::kLanes * v));
       }
 #endif
   }
 
   void apply(const T* x, T* out, int64_t heads) const {
     const int64_t dim = 2 * half;
-#if PAGODA_EW_AVX512
+#if PAGODA_EW_VEC
     if (vec) {
-      const T* tag = nullptr;
-      const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+      constexpr int64_t w = Vec::kLanes;
       for (int64_t h = 0; h < heads; ++h) {
         const T* xh = x + h * dim;
         T* oh = out + h * dim;
         for (int64_t v = 0; v < hv; ++v) {
-          const __m512 x1 = load16(xh + 16 * v), x2 = load16(xh + half + 16 * v);
-          const __m512 nx2 = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x2), sign));  // -x2, exact
-          const __m512 a1 = round16(_mm512_mul_ps(x1, cr[v]), tag), b1 = round16(_mm512_mul_ps(nx2, sr[v]), tag);
-          const __m512 a2 = round16(_mm512_mul_ps(x2, cr[hv + v]), tag), b2 = round16(_mm512_mul_ps(x1, sr[hv + v]), tag);
-          store16(oh + 16 * v, _mm512_add_ps(a1, b1));
-          store16(oh + half + 16 * v, _mm512_add_ps(a2, b2));
-        }
-      }
-      return;
-    }
-#elif PAGODA_EW_AVX2
-    if (vec) {
-      const T* tag = nullptr;
-      const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(0x80000000u)));
-      for (int64_t h = 0; h < heads; ++h) {
-        const T* xh = x + h * dim;
-        T* oh = out + h * dim;
-        for (int64_t v = 0; v < hv; ++v) {
-          const __m256 x1 = load8(xh + 8 * v), x2 = load8(xh + half + 8 * v);
-          const __m256 nx2 = _mm256_xor_ps(x2, sign);  // -x2, exact
-          const __m256 a1 = round8(_mm256_mul_ps(x1, cr[v]), tag), b1 = round8(_mm256_mul_ps(nx2, sr[v]), tag);
-          const __m256 a2 = round8(_mm256_mul_ps(x2, cr[hv + v]), tag), b2 = round8(_mm256_mul_ps(x1, sr[hv + v]), tag);
-          store8(oh + 8 * v, _mm256_add_ps(a1, b1));
-          store8(oh + half + 8 * v, _mm256_add_ps(a2, b2));
+          const Vec::V x1 = Vec::load(xh + w * v), x2 = Vec::load(xh + half + w * v);
+          const Vec::V a1 = Vec::round<T>(Vec::mul(x1, cr[v])), b1 = Vec::round<T>(Vec::mul(Vec::neg(x2), sr[v]));
+          const Vec::V a2 = Vec::round<T>(Vec::mul(x2, cr[hv + v])), b2 = Vec::round<T>(Vec::mul(x1, sr[hv + v]));
+          Vec::store(oh + w * v, Vec::add(a1, b1));
+          Vec::store(oh + half + w * v, Vec::add(a2, b2));
         }
       }
       return;
@@ -529,20 +562,20 @@ void rotary_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions, con
 // torch's own vectorised exp (Sleef, exported by libtorch_cpu): F.silu's exact arithmetic.
 extern "C" __m512 Sleef_expf16_u10(__m512);
 // torch's silu in float32, x / (1 + exp(-x)) with Sleef's exp and a division: the exact reference.
-inline __m512 silu_exact16(__m512 x) {
+inline __m512 silu_exact(__m512 x) {
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 #elif PAGODA_EW_AVX2
 extern "C" __m256 Sleef_expf8_u10(__m256);  // what torch's AVX2 kernels call
 // torch's AVX2 silu: the same arithmetic 8 lanes wide.
-inline __m256 silu_exact8(__m256 x) {
+inline __m256 silu_exact(__m256 x) {
   return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), x))));
 }
 #endif
 
-#if PAGODA_EW_AVX512 || PAGODA_EW_AVX2
+#if PAGODA_EW_VEC
 // bf16 silu by table: entry b holds the bits of torch's F.silu of the bf16 with bits b (computed
-// as its vectorised kernel computes it on this CPU: silu_exact16 / silu_exact8), rounded to bf16,
+// as its vectorised kernel computes it on this CPU: silu_exact at this width), rounded to bf16,
 // for all 65536 inputs (+ pad entries: the 32-bit gather reads 2 bytes past the last). A gather
 // instead of the arithmetic: 1.5x the silu_and_mul of a 2048-token SmolLM2 step on Zen 4 against
 // a Cody-Waite exp polynomial that recomputed lanes near a rounding boundary exactly (3.7 against
@@ -551,37 +584,11 @@ inline __m256 silu_exact8(__m256 x) {
 const uint16_t* silu_bf16_table() {
   static const std::vector<uint16_t> table = [] {
     std::vector<uint16_t> t(65536 + 16);
-#if PAGODA_EW_AVX512
-    for (int b = 0; b < 65536; b += 16) {
-      const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(b), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                                                   11, 12, 13, 14, 15));
-      const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.data() + b), to_bf16_bits(silu_exact16(x)));
-    }
-#else
-    for (int b = 0; b < 65536; b += 8) {
-      const __m256i bits = _mm256_add_epi32(_mm256_set1_epi32(b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(t.data() + b), to_bf16_bits(silu_exact8(x)));
-    }
-#endif
+    for (int32_t b = 0; b < 65536; b += Vec::kLanes)
+      Vec::store(reinterpret_cast<bf16_t*>(t.data() + b), silu_exact(Vec::bf16_value(Vec::iota(b))));
     return t;
   }();
   return table.data();
-}
-#endif
-
-#if PAGODA_EW_AVX512
-inline __m512 silu_bf16_lookup16(const bf16_t* p, const uint16_t* table) {
-  const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i v = _mm512_i32gather_epi32(idx, table, 2);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-}
-#elif PAGODA_EW_AVX2
-// silu of 8 bf16 whose bits are in the low halves of idx's lanes, as float32 (exactly the bf16).
-inline __m256 silu_bf16_gather8(__m256i idx, const uint16_t* table) {
-  const __m256i v = _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), idx, 2);
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 #endif
 
@@ -590,37 +597,20 @@ inline __m256 silu_bf16_gather8(__m256i idx, const uint16_t* table) {
 template <typename T, typename O = T>
 inline void silu_mul_row(const T* g, const T* u, O* o, int64_t n) {
   int64_t i = 0;
-#if PAGODA_EW_AVX512 || PAGODA_EW_AVX2
+#if PAGODA_EW_VEC
   [[maybe_unused]] const uint16_t* table = std::is_same_v<T, bf16_t> ? silu_bf16_table() : nullptr;
-#endif
-#if PAGODA_EW_AVX512
-  // torch's vectorised loop takes 2 x Vectorized<T>::size() elements a step (64 bytes of T per
-  // vector) and leaves the rest to its scalar op: the same split gives every element torch's exp.
-  constexpr int64_t step = 2 * 64 / sizeof(T);
+  // torch's vectorised loop takes 2 x Vectorized<T>::size() elements a step (two vectors' bytes of
+  // T) and leaves the rest to its scalar op: the same split gives every element torch's exp.
+  constexpr int64_t w = Vec::kLanes, step = 2 * w * 4 / sizeof(T);
   for (; i + step <= n; i += step) {
-    for (int64_t h = 0; h < step; h += 16) {
-      __m512 s;
+    for (int64_t h = 0; h < step; h += w) {
+      Vec::V s;
       if constexpr (std::is_same_v<T, bf16_t>) {
-        s = silu_bf16_lookup16(g + i + h, table);
+        s = Vec::gather_bf16(Vec::bf16_index(g + i + h), table);
       } else {
-        s = silu_exact16(load16(g + i + h));
+        s = silu_exact(Vec::load(g + i + h));
       }
-      store16_in<T>(o + i + h, _mm512_mul_ps(s, load16(u + i + h)));
-    }
-  }
-#elif PAGODA_EW_AVX2
-  // As above with 32-byte vectors.
-  constexpr int64_t step = 2 * 32 / sizeof(T);
-  for (; i + step <= n; i += step) {
-    for (int64_t h = 0; h < step; h += 8) {
-      __m256 s;
-      if constexpr (std::is_same_v<T, bf16_t>) {
-        s = silu_bf16_gather8(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i + h))),
-                              table);
-      } else {
-        s = silu_exact8(load8(g + i + h));
-      }
-      store8_in<T>(o + i + h, _mm256_mul_ps(s, load8(u + i + h)));
+      Vec::store_in<T>(o + i + h, Vec::mul(s, Vec::load(u + i + h)));
     }
   }
 #endif
@@ -635,7 +625,7 @@ inline void silu_mul_row(const T* g, const T* u, O* o, int64_t n) {
 // (row stride free).
 template <typename T>
 void silu_and_mul_impl(const T* gate_up, int64_t in_stride, T* out, int64_t out_stride, int64_t rows, int64_t inter) {
-#if PAGODA_EW_AVX512 || PAGODA_EW_AVX2
+#if PAGODA_EW_VEC
   if constexpr (std::is_same_v<T, bf16_t>) silu_bf16_table();  // built once, before the threads start
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads_for(rows * inter))
@@ -1163,10 +1153,8 @@ inline void f32_gemm(int64_t m, int64_t k, const float* a, int64_t lda, const W*
 // A block row of float32 products rounded to bf16 (nearest even, as torch's float -> bfloat16):
 // what a bf16 model's GEMM on float32 weights stores (llama.py's linear() rounds alike).
 inline void round_block_row(const float* c, bf16_t* dst) {
-#if PAGODA_EW_AVX512
-  for (int64_t j = 0; j < kGemmBlockN; j += 16) store16(dst + j, _mm512_loadu_ps(c + j));
-#elif PAGODA_EW_AVX2
-  for (int64_t j = 0; j < kGemmBlockN; j += 8) store8(dst + j, _mm256_loadu_ps(c + j));
+#if PAGODA_EW_VEC
+  for (int64_t j = 0; j < kGemmBlockN; j += Vec::kLanes) Vec::store(dst + j, Vec::load(c + j));
 #else
   for (int64_t j = 0; j < kGemmBlockN; ++j) store(c[j], dst + j);
 #endif
@@ -1370,24 +1358,21 @@ void gemm_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Ten
   }
   if (f32_kernel(packed)) {  // a bf16 model on the float32 kernel: gate and up rounded to bf16 first
     const auto epilogue = [&](auto* o) {
-#if PAGODA_EW_AVX2
+      using O = std::remove_pointer_t<decltype(o)>;
+#if PAGODA_EW_VEC
       const uint16_t* table = silu_bf16_table();  // built once, before the threads start
       // Straight from the sums: gate rounded in its lanes indexes the table, up rounded in its lanes
       // is the bf16 value as a float (silu_mul_row on the rounded rows, without storing them).
       run_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
         const float* cu = c + kGemmBlockM * kGemmBlockN;
         for (int64_t r = 0; r < rows; ++r)
-          for (int64_t j = 0; j < kGemmBlockN; j += 8) {
-            const __m256 s = silu_bf16_gather8(bf16_bits_lanes(_mm256_loadu_ps(c + r * kGemmBlockN + j)), table);
-            const __m256 up = round8(_mm256_loadu_ps(cu + r * kGemmBlockN + j), static_cast<bf16_t*>(nullptr));
-            store8_in<bf16_t>(o + (r0 + r) * ldo + g * kGemmBlockN + j, _mm256_mul_ps(s, up));
+          for (int64_t j = 0; j < kGemmBlockN; j += Vec::kLanes) {
+            const Vec::V s = Vec::gather_bf16(Vec::bf16_index(Vec::load(c + r * kGemmBlockN + j)), table);
+            const Vec::V up = Vec::round<bf16_t>(Vec::load(cu + r * kGemmBlockN + j));
+            Vec::store_in<bf16_t>(o + (r0 + r) * ldo + g * kGemmBlockN + j, Vec::mul(s, up));
           }
       });
 #else
-#if PAGODA_EW_AVX512
-      silu_bf16_table();  // built once, before the threads start
-#endif
-      using O = std::remove_pointer_t<decltype(o)>;
       run_gemm(x, packed, 2, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
         const float* cu = c + kGemmBlockM * kGemmBlockN;
         alignas(64) bf16_t gate[kGemmBlockN], up[kGemmBlockN];
