@@ -45,26 +45,12 @@
 
 namespace {
 
-struct bf16_t { uint16_t x; };
+using pagoda::bf16_t;
 
 inline float load(float v) { return v; }
-inline float load(bf16_t v) {
-  uint32_t u = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float load(bf16_t v) { return pagoda::bf16_to_float(v); }
 inline void store(float f, float* dst) { *dst = f; }
-inline void store(float f, bf16_t* dst) {  // round to nearest even, as torch's float -> bfloat16
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) {
-    dst->x = 0x7FC0;
-    return;
-  }
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  dst->x = static_cast<uint16_t>(u >> 16);
-}
+inline void store(float f, bf16_t* dst) { *dst = pagoda::float_to_bf16(f); }
 // The value torch holds after an op whose result it stores in T.
 inline float round_to(float f, float*) { return f; }
 inline float round_to(float f, bf16_t*) {

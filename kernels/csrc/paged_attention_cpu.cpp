@@ -87,29 +87,15 @@ constexpr float kExp2Poly[8] = {1.5252733804059841e-05f, 1.5403530393381606e-04f
                                 6.9314718055994531e-01f, 1.0f};
 
 // Storage tags for the 16-bit types (raw bits).
-struct bf16_t { uint16_t x; };
+using pagoda::bf16_t;
 struct f16_t { uint16_t x; };
 
 inline float to_float(float v) { return v; }
-inline float to_float(bf16_t v) {
-  uint32_t u = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float to_float(bf16_t v) { return pagoda::bf16_to_float(v); }
 inline float to_float(f16_t v) { return static_cast<float>(c10::Half(v.x, c10::Half::from_bits())); }
 
 inline void from_float(float f, float* dst) { *dst = f; }
-inline void from_float(float f, bf16_t* dst) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) {
-    dst->x = 0x7FC0;
-    return;
-  }
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  dst->x = static_cast<uint16_t>(u >> 16);
-}
+inline void from_float(float f, bf16_t* dst) { *dst = pagoda::float_to_bf16(f); }
 inline void from_float(float f, f16_t* dst) { dst->x = c10::Half(f).x; }
 
 // ------------------------------------------------------------------------------------------
