@@ -1,8 +1,9 @@
 """The kernels' paths for CPUs with less than this one has, run here: the kernel tests again in a
 child pytest, with the extension built for a lesser ``-march`` (``PAGODA_CPU_MARCH``) and torch's own
 kernels and oneDNN's held to the matching width (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``), so
-that a torch reference takes the path it takes on such a CPU. An AVX-512 host so checks the AVX2 + FMA paths (Zen 3's), and an
-AVX2 host the scalar ones; each is skipped where it would only repeat the host's own run."""
+that a torch reference takes the path it takes on such a CPU. An AVX-512 host so checks the AVX2 +
+FMA paths (Zen 3's) and the portable ones, an AVX2 host the portable ones; each target is skipped
+where it would only repeat the host's own run."""
 from __future__ import annotations
 
 import os
