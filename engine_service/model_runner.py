@@ -94,7 +94,9 @@ class ModelRunner:
                            if config.num_swap_blocks else None)
         self.sampler = Sampler(self.vocab_size, eos_token_ids, argmax=self.layer_ops.argmax)
         # The last layer runs its attention, o_proj and MLP only on the rows that are sampled
-        # (``LlamaForCausalLM.forward``'s keep): same values, less work in prefill steps.
+        # (``LlamaForCausalLM.forward``'s keep): same values, less work in prefill steps. Only where
+        # the backend's prefill gives a row the same bits whatever its chunk's other rows
+        # (``prefill_rows_independent``).
         self.prune_last_layer = True
 
     # ---- block movement -----------------------------------------------------------------------
@@ -238,7 +240,7 @@ class ModelRunner:
                     sampled.append(target)
         # rows_t: where each sampled row's final hidden state is in the forward's output.
         keep, rows_t = None, torch.tensor(rows, dtype=torch.int64)
-        if self.prune_last_layer and b > bd:
+        if self.prune_last_layer and b > bd and self.attn.prefill_rows_independent(self.dtype):
             keep, rows_t = self._kept_rows(rows_t, meta, seq_idx, t, bd)
 
         hidden = self.model(torch.tensor(input_ids, device=self.device), positions.to(self.device),

@@ -75,6 +75,13 @@ class TorchAttention:
         path attends a first chunk to the k / v it is given."""
         return False
 
+    def prefill_rows_independent(self, dtype: torch.dtype) -> bool:
+        """Whether a prefill row's output has the same bits whichever other rows of its chunk the
+        call has (the runner then runs the last layer on the sampled rows alone:
+        ``ModelRunner.prune_last_layer``). Not here: SDPA takes its causal kernel for a whole first
+        chunk and the masked one for that chunk's last row alone, and their bits differ."""
+        return False
+
     def kernel_tensors(self, meta: AttentionMetadata, dtype: torch.dtype) -> tuple | None:
         """The C++ paged kernels' inputs for this step (CpuAttention), for a caller that runs them
         itself (``CpuLayerOps.decoder_layers``); None: this backend has no such kernels."""

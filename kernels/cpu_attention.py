@@ -220,6 +220,11 @@ class CpuAttention(TorchAttention):
     def prefill_reads_cache(self, dtype: torch.dtype) -> bool:
         return prefill_supported(dtype)
 
+    def prefill_rows_independent(self, dtype: torch.dtype) -> bool:
+        # The kernel attends each query row over the same key tiles in the same order, whatever the
+        # chunk's other rows (tests/test_engine.py); without it (no AVX2) the torch path runs.
+        return prefill_supported(dtype)
+
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """The prefill kernel's int32 query offsets, lengths and tables, once per step (every layer
         reuses them). The torch fallback's own metadata is built only if a layer needs it."""

@@ -541,6 +541,11 @@ class TritonAttention(TorchAttention):
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 8)
 
+    def prefill_rows_independent(self, dtype: torch.dtype) -> bool:
+        # Each query row's program walks the same key blocks in the same order, whatever the chunk's
+        # other rows.
+        return True
+
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         dev = self.device
 
