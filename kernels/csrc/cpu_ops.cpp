@@ -131,13 +131,6 @@ inline __m512 add_store16(__m512 h, bf16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 inline void store16(bf16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v)); }
-template <typename T, typename O>
-inline void store16_in(O* p, __m512 v) {
-  if constexpr (std::is_same_v<T, O>)
-    store16(p, v);
-  else
-    store16(p, round16(v, static_cast<T*>(nullptr)));
-}
 #define PAGODA_EW_AVX512 1
 #else
 #define PAGODA_EW_AVX512 0
@@ -167,17 +160,6 @@ inline __m128i to_bf16_bits(__m256 v) {
 inline __m256 round8(__m256 v, const bf16_t*) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits_lanes(v), 16)); }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(bf16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16_bits(v)); }
-inline double hsum4d(__m256d a) {
-  __m128d s = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
-  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
-}
-template <typename T, typename O>
-inline void store8_in(O* p, __m256 v) {
-  if constexpr (std::is_same_v<T, O>)
-    store8(p, v);
-  else
-    store8(p, round8(v, static_cast<T*>(nullptr)));
-}
 #define PAGODA_EW_AVX2 1
 #else
 #define PAGODA_EW_AVX2 0
@@ -187,7 +169,7 @@ inline void store8_in(O* p, __m256 v) {
 // that rms_norm_impl, RowRotator, silu_mul_row and the GEMM epilogues are written once. Each width
 // keeps its own lane order and its own sums: its results are what they were.
 #if PAGODA_EW_AVX512
-struct Vec {
+struct VecWidth {
   using V = __m512;
   static constexpr int64_t kLanes = 16;
   template <typename T>
@@ -197,8 +179,6 @@ struct Vec {
   // v rounded to T (its value as a float)
   template <typename T>
   static V round(V v) { return round16(v, static_cast<T*>(nullptr)); }
-  template <typename T, typename O>
-  static void store_in(O* p, V v) { store16_in<T>(p, v); }
   // *p = T(h + *p); returns the value stored
   template <typename T>
   static V add_store(V h, T* p) { return add_store16(h, p); }
@@ -232,7 +212,7 @@ struct Vec {
   };
 };
 #elif PAGODA_EW_AVX2
-struct Vec {
+struct VecWidth {
   using V = __m256;
   static constexpr int64_t kLanes = 8;
   template <typename T>
@@ -241,8 +221,6 @@ struct Vec {
   static void store(T* p, V v) { store8(p, v); }
   template <typename T>
   static V round(V v) { return round8(v, static_cast<T*>(nullptr)); }
-  template <typename T, typename O>
-  static void store_in(O* p, V v) { store8_in<T>(p, v); }
   template <typename T>
   static V add_store(V h, T* p) {
     const V s = round8(_mm256_add_ps(h, load8(p)), static_cast<T*>(nullptr));
@@ -271,11 +249,28 @@ struct Vec {
       a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(hsq)));
       a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(hsq, 1)));
     }
-    double sum() const { return hsum4d(_mm256_add_pd(a0, a1)); }
+    double sum() const {
+      const __m256d a = _mm256_add_pd(a0, a1);
+      const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+      return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+    }
   };
 };
 #endif
 #define PAGODA_EW_VEC (PAGODA_EW_AVX512 || PAGODA_EW_AVX2)
+#if PAGODA_EW_VEC
+// The width's ops, and what is built from them the same way at either width.
+struct Vec : VecWidth {
+  // v rounded to T and stored in O: T itself, or float32 holding T's value (store_in's vector form)
+  template <typename T, typename O>
+  static void store_in(O* p, V v) {
+    if constexpr (std::is_same_v<T, O>)
+      store(p, v);
+    else
+      store(p, round<T>(v));
+  }
+};
+#endif
 
 template <typename T, typename O = T>
 void rms_norm_impl(const T* x, int64_t x_stride, T* residual, int64_t res_stride, const T* weight, O* out,
