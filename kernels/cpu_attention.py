@@ -20,6 +20,7 @@ reuse the build.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -89,12 +90,21 @@ def build_cpu_flags() -> frozenset[str]:
     wanted = set(_ISA_MACROS.values()) & set(host)
     if _MARCH == "native":
         return frozenset(wanted)
+    defined = _march_macros()
+    return frozenset(name for macro, name in _ISA_MACROS.items() if macro in defined and name in wanted)
+
+
+@functools.cache
+def _march_macros() -> frozenset[str]:
+    """The macros g++ defines for ``-march=$PAGODA_CPU_MARCH``; ValueError where it knows no such target."""
     import subprocess
 
-    out = subprocess.run(["g++", f"-march={_MARCH}", "-dM", "-E", "-x", "c++", "/dev/null"], check=True,
-                         capture_output=True, text=True).stdout
-    defined = {line.split()[1] for line in out.splitlines() if line.startswith("#define ")}
-    return frozenset(name for macro, name in _ISA_MACROS.items() if macro in defined and name in wanted)
+    run = subprocess.run(["g++", f"-march={_MARCH}", "-dM", "-E", "-x", "c++", "/dev/null"],
+                         capture_output=True, text=True)
+    if run.returncode:
+        raise ValueError(f"PAGODA_CPU_MARCH={_MARCH!r}: g++ does not know this -march target "
+                         f"(haswell and x86-64-v2 are the lesser targets the tests use): {run.stderr.strip()[:200]}")
+    return frozenset(line.split()[1] for line in run.stdout.splitlines() if line.startswith("#define "))
 
 
 def _ensure_ninja_on_path() -> None:
@@ -123,6 +133,9 @@ def load_extension(verbose: bool = False):
             return _op
         if not hasattr(torch.ops.pagoda_cpu, "paged_decode_attention"):
             from torch.utils.cpp_extension import load
+
+            if _MARCH != "native":
+                _march_macros()  # a clear error for a -march g++ does not know, before a build fails
 
             _ensure_ninja_on_path()
             build_dir = _cache_root() / "torch_extensions" / f"{_NAME}-{_host_tag()}"

@@ -47,3 +47,12 @@ def test_kernel_tests_pass_built_for_a_lesser_cpu(march, capability, onednn, fla
     assert run.returncode == 0, f"the kernel tests failed built for -march={march}:\n{tail}"
     passed = re.search(r"(\d+) passed", run.stdout)
     assert passed and int(passed.group(1)) >= 150, f"too few kernel tests ran for -march={march}:\n{tail}"
+
+
+def test_an_unknown_march_is_a_clear_error_before_any_build():
+    env = dict(os.environ, PAGODA_CPU_MARCH="no-such-cpu")
+    run = subprocess.run([sys.executable, "-c", "from pagoda_kernels.cpu_attention import load_extension\n"
+                          "try:\n    load_extension()\nexcept ValueError as e:\n    print('ValueError', e)"],
+                         env=env, cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("ValueError PAGODA_CPU_MARCH='no-such-cpu'"), run.stdout
