@@ -13,7 +13,10 @@ their claims, the multiply's GFLOP/s (per thread: compare with one core's peak, 
 ``vdpbf16ps`` in bench/isa_rates.py: 64 FLOP an instruction), the epilogue's share, a thread's first
 claim's rate against its later ones' (cold weights), and the time between one GEMM and the next
 (RMSNorm; decode attention before o_proj). Needs a CPU where the layers run on Pagoda's GEMMs
-(AVX512-BF16 or AMX in bf16, AVX2 in float32).
+(AVX512-BF16 or AMX in bf16, AVX2 in float32). Each call is named by its shape (the trace carries
+each call's column blocks and K), so a GEMM that runs on oneDNN instead (on AMX, QKV, o_proj
+and down_proj past ``AMX_GEMM_MAX_ROWS`` rows) is reported as not traced, not mistaken for another;
+"before it" is then the time since the previous traced GEMM.
 
 ``--prefill`` traces W's first --steps steps instead, with all of W added at once as
 bench/engine_runner.py adds it: each is a full step of prompt chunks (the step budget's 2048 tokens,
@@ -38,6 +41,21 @@ from engine_runner import load_workload, pagoda_adder, start_decoding, warm_up_p
 KINDS = ("qkv", "o_proj", "gate_up", "down")
 
 
+def kind_of(blocks: int, group: int, k: int, cfg) -> str:
+    """A GEMM call's name in a Llama layer stack from its shape: output 64-column blocks, blocks a
+    group (2: gate/up interleaved) and K."""
+    n, head_dim = 64 * blocks, cfg.hidden_size // cfg.num_attention_heads
+    if n == cfg.vocab_size:
+        return "lm_head"
+    if group == 2:
+        return "gate_up"
+    if k == cfg.intermediate_size:
+        return "down"
+    if n == (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim:
+        return "qkv"
+    return "o_proj"
+
+
 def tsc_hz(tsc) -> float:
     c0, t0 = tsc(), time.perf_counter()
     time.sleep(0.2)
@@ -45,7 +63,9 @@ def tsc_hz(tsc) -> float:
 
 
 def calls_of(trace: list[list[int]]) -> list[tuple[list[list[int]], list[list[int]]]]:
-    """Splits one step's trace into calls, in order: (each thread's region row, the call's claims)."""
+    """Splits one step's trace into calls, in order: (each thread's region row, the call's claims).
+    A region row is [thread, -1, threads, start, end, column groups, K], a claim [thread, column
+    group, rows, start, end of its multiply, end of its epilogue, 64-column blocks a group]."""
     regions = sorted((r for r in trace if r[1] == -1), key=lambda r: r[3])
     claims = sorted((r for r in trace if r[1] != -1), key=lambda r: r[3])
     calls, i = [], 0
@@ -96,9 +116,6 @@ def main() -> int:
     ops = torch.ops.pagoda_cpu
     hz = tsc_hz(ops.gemm_tsc)
     cfg = runner.model.config
-    hidden, inter = cfg.hidden_size, cfg.intermediate_size
-    k_of = {"qkv": hidden, "o_proj": hidden, "gate_up": hidden, "down": inter, "lm_head": hidden}
-    blocks_per_group = {"gate_up": 2}
     stats: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     step_s = []
     for _ in range(args.steps):
@@ -107,12 +124,11 @@ def main() -> int:
         engine.step()
         step_s.append(time.perf_counter() - t)
         calls = calls_of(ops.gemm_trace(False).tolist())
-        layers = (len(calls) - 1) // 4
-        if len(calls) != 4 * layers + 1:
-            sys.exit(f"expected 4 GEMMs a layer and the LM head, got {len(calls)} calls")
         prev_end = None
-        for i, (regions, claims) in enumerate(calls):
-            kind = "lm_head" if i == len(calls) - 1 else KINDS[i % 4]
+        for regions, claims in calls:
+            groups, k = regions[0][5], regions[0][6]
+            group = claims[0][6] if claims else 1
+            kind = kind_of(groups * group, group, k, cfg)
             s = stats[kind]
             lo, hi = min(r[3] for r in regions), max(r[4] for r in regions)
             s["us"].append((hi - lo) / hz * 1e6)
@@ -123,7 +139,7 @@ def main() -> int:
             s["in_claims"].append(busy / sum(r[4] - r[3] for r in regions))
             mult = sum(c[4] - c[3] for c in claims)
             s["epilogue"].append(1 - mult / busy if busy else 0.0)
-            flop = sum(2 * c[2] * k_of[kind] * 64 * blocks_per_group.get(kind, 1) for c in claims)
+            flop = sum(2 * c[2] * k * 64 * group for c in claims)
             s["gflops_thread"].append(flop / (mult / hz) / 1e9)
             for r in regions:
                 mine = [c for c in claims if c[0] == r[0]]
@@ -141,10 +157,14 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     for kind in (*KINDS, "lm_head"):
         s = stats[kind]
+        if not s["us"]:
+            print(f"| {kind} | 0 (not Pagoda's GEMM here: oneDNN's, untraced) | | | | | | |")
+            continue
         print(f"| {kind} | {len(s['us'])} | {med(s['us']):.0f} | {med(s['gap_us']):.0f} | "
               f"{100 * med(s['in_claims']):.1f}% | {med(s['gflops_thread']):.1f} | {100 * med(s['epilogue']):.1f}% | "
               f"{med(s['first_claim']):.3f} |")
-    per_step = {k: med(stats[k]["us"]) * len(stats[k]["us"]) / args.steps / 1e3 for k in stats}
+    per_step = {k: med(stats[k]["us"]) * len(stats[k]["us"]) / args.steps / 1e3
+                for k in (*KINDS, "lm_head") if stats[k]["us"]}
     print(f"GEMMs (medians x calls) {sum(per_step.values()):.1f} ms of a {1e3 * med(step_s):.1f} ms step: "
           + ", ".join(f"{k} {v:.1f}" for k, v in per_step.items()))
     return 0

@@ -446,7 +446,11 @@ def test_a_stalled_gemm_threads_work_is_taken_by_the_other_with_the_same_results
 @pytest.mark.parametrize("dtype,w_dtype", GEMM_FORMS)
 def test_gemm_trace_records_every_claim_once_and_only_while_on(ops, dtype, w_dtype):
     """bench/gemm_trace.py's source: with the trace on, a call's claims cover each (column group,
-    row) pair once, inside its threads' regions, with ordered time stamps; off, nothing is kept."""
+    row) pair once, inside its threads' regions, with ordered time stamps, and its rows carry the
+    call's shape (column groups, blocks a group, K: what names the GEMM in a layer); off, nothing
+    is kept."""
+    from pagoda_kernels.layer_ops import interleave_gate_up
+
     cpu = _gemm_ops(ops, w_dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -455,23 +459,30 @@ def test_gemm_trace_records_every_claim_once_and_only_while_on(ops, dtype, w_dty
         rows, k, n = 300, 576, 640  # two 256-row slices, ten 64-column blocks
         x = torch.randn(rows, k, generator=g).to(dtype)
         packed = cpu.gemm_pack((0.05 * torch.randn(n, k, generator=g)).to(w_dtype))
+        gate_up = cpu.gemm_pack(interleave_gate_up((0.05 * torch.randn(2 * n, k, generator=g)).to(w_dtype)))
         torch.ops.pagoda_cpu.gemm_trace(False)
         cpu.gemm_linear(x, packed)
-        assert torch.ops.pagoda_cpu.gemm_trace(True).shape == (0, 6)  # off: nothing recorded
+        assert torch.ops.pagoda_cpu.gemm_trace(True).shape == (0, 7)  # off: nothing recorded
         want = cpu.gemm_linear(x, packed)
-        trace = torch.ops.pagoda_cpu.gemm_trace(False).tolist()
-        assert torch.equal(cpu.gemm_linear(x, packed), want) and torch.ops.pagoda_cpu.gemm_trace(False).shape == (0, 6)
+        trace = torch.ops.pagoda_cpu.gemm_trace(True).tolist()
+        want_act = cpu.gemm_linear_silu_mul(x, gate_up)
+        trace_act = torch.ops.pagoda_cpu.gemm_trace(False).tolist()
+        assert torch.equal(cpu.gemm_linear(x, packed), want) and torch.ops.pagoda_cpu.gemm_trace(False).shape == (0, 7)
+        assert torch.equal(cpu.gemm_linear_silu_mul(x, gate_up), want_act)
     finally:
         torch.set_num_threads(threads)
-    regions = [r for r in trace if r[1] == -1]
-    claims = [r for r in trace if r[1] != -1]
-    assert sorted(r[0] for r in regions) == [0, 1] and all(r[2] == 2 and r[3] <= r[4] for r in regions)
-    per_group = [0] * (n // 64)
-    for t, group, claimed, t0, t1, t2 in claims:
-        region = next(r for r in regions if r[0] == t)
-        assert region[3] <= t0 <= t1 <= t2 <= region[4]
-        per_group[group] += claimed
-    assert per_group == [rows] * (n // 64)
+    groups = n // 64  # gate/up too: its 2n columns are n // 64 pairs of gate and up blocks
+    for got, group in ((trace, 1), (trace_act, 2)):
+        regions = [r for r in got if r[1] == -1]
+        claims = [r for r in got if r[1] != -1]
+        assert sorted(r[0] for r in regions) == [0, 1] and all(r[2] == 2 and r[3] <= r[4] for r in regions)
+        assert all(r[5:] == [groups, k] for r in regions), regions
+        per_group = [0] * groups
+        for t, g_, claimed, t0, t1, t2, blocks in claims:
+            region = next(r for r in regions if r[0] == t)
+            assert region[3] <= t0 <= t1 <= t2 <= region[4] and blocks == group
+            per_group[g_] += claimed
+        assert per_group == [rows] * groups
 
 
 @pytest.mark.parametrize("dtype", GEMM_DTYPES)

@@ -856,12 +856,13 @@ at::Tensor gemm_pack_weight(const at::Tensor& weight, bool float32_kernel) {
 std::atomic<int64_t> g_gemm_stall_thread{-1}, g_gemm_stall_us{0}, g_gemm_steals{0};
 
 // GEMM trace (bench/gemm_trace.py), off unless gemm_trace(true) turned it on: each run_gemm_blocks
-// claim adds {thread, group, rows, tsc at its start, after multiply, after its epilogue}, and each
-// thread at the end of a call {thread, -1, threads, tsc at the region's start, at its end, 0}.
-constexpr int64_t kTraceCap = 1 << 16;
+// claim adds {thread, group, rows, tsc at its start, after multiply, after its epilogue, blocks a
+// group}, and each thread at the end of a call {thread, -1, threads, tsc at the region's start, at
+// its end, groups, K}: the call's shape names the GEMM, whichever of the layer's GEMMs ran elsewhere.
+constexpr int64_t kTraceCap = 1 << 16, kTraceCols = 7;
 std::atomic<bool> g_trace_on{false};
 std::atomic<int64_t> g_trace_n{0};
-int64_t g_trace[kTraceCap][6];
+int64_t g_trace[kTraceCap][kTraceCols];
 inline uint64_t tsc_now() {  // the time-stamp counter (a fixed rate, whatever the core clock does)
 #if defined(__x86_64__) || defined(__i386__)
   return __rdtsc();
@@ -869,20 +870,20 @@ inline uint64_t tsc_now() {  // the time-stamp counter (a fixed rate, whatever t
   return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
 #endif
 }
-inline void trace_add(int64_t a, int64_t b, int64_t c, uint64_t d, uint64_t e, uint64_t f) {
+inline void trace_add(int64_t a, int64_t b, int64_t c, uint64_t d, uint64_t e, uint64_t f, int64_t g) {
   const int64_t i = g_trace_n.fetch_add(1, std::memory_order_relaxed);
   if (i >= kTraceCap) return;
   int64_t* row = g_trace[i];
   row[0] = a, row[1] = b, row[2] = c, row[3] = static_cast<int64_t>(d), row[4] = static_cast<int64_t>(e),
-  row[5] = static_cast<int64_t>(f);
+  row[5] = static_cast<int64_t>(f), row[6] = g;
 }
-// Returns what was recorded since the last call ([n, 6] int64, at most kTraceCap rows) and turns
-// the trace on or off.
+// Returns what was recorded since the last call ([n, kTraceCols] int64, at most kTraceCap rows) and
+// turns the trace on or off.
 at::Tensor gemm_trace(bool on) {
   g_trace_on.store(false);
   const int64_t n = std::min(g_trace_n.exchange(0), kTraceCap);
-  at::Tensor t = at::empty({n, 6}, at::kLong);
-  std::memcpy(t.data_ptr<int64_t>(), g_trace, n * 6 * sizeof(int64_t));
+  at::Tensor t = at::empty({n, kTraceCols}, at::kLong);
+  std::memcpy(t.data_ptr<int64_t>(), g_trace, n * kTraceCols * sizeof(int64_t));
   g_trace_on.store(on);
   return t;
 }
@@ -901,7 +902,7 @@ int64_t gemm_steals() { return g_gemm_steals.load(); }
 // threads in group-major order: a thread takes whole groups and part of the rows of one at each end
 // (o_proj's 9 blocks would leave threads 4 against 5). multiply(row0, rows, g, c) fills c[b][r][64]
 // with the fp32 products of those rows with the group's blocks b; epilogue(row0, rows, g, c) takes
-// them; finish() runs on each thread at the end.
+// them; finish() runs on each thread at the end. k (the products' inner dimension) is for the trace.
 //
 // A thread works through its shares from the front, one group's rows at a time; one that has run
 // out takes the back of another's (a group's rows, or the back half of the last one left), so a
@@ -910,8 +911,8 @@ int64_t gemm_steals() { return g_gemm_steals.load(); }
 // every (group, row) pair is claimed exactly once, and a row's sums do not depend on which thread or
 // how many rows at a time computes them, so the output is the same bits whoever takes what.
 template <typename Multiply, typename Epilogue, typename Finish>
-void run_gemm_blocks(int64_t m, int64_t groups, int64_t group, Multiply&& multiply, Epilogue&& epilogue,
-                     Finish&& finish) {
+void run_gemm_blocks(int64_t m, int64_t groups, int64_t group, int64_t k, Multiply&& multiply,
+                     Epilogue&& epilogue, Finish&& finish) {
   if (m == 0) return;
   const int nt = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), groups * m));
   const int64_t slices = (m + kGemmBlockM - 1) / kGemmBlockM;
@@ -962,7 +963,7 @@ void run_gemm_blocks(int64_t m, int64_t groups, int64_t group, Multiply&& multip
       multiply(r, len, g, buf.data());
       const uint64_t t1 = trace ? tsc_now() : 0;
       epilogue(r, len, g, buf.data());
-      if (trace) trace_add(t, g, len, t0, t1, tsc_now());
+      if (trace) trace_add(t, g, len, t0, t1, tsc_now(), group);
     };
     int64_t lo, hi;
     for (int64_t s = 0; s < slices; ++s) {
@@ -975,7 +976,7 @@ void run_gemm_blocks(int64_t m, int64_t groups, int64_t group, Multiply&& multip
         while (claim(s, (t + d) % nt, rows, lo, hi)) run(s, rows, lo, hi);
     }
     finish();
-    if (trace) trace_add(t, -1, nt, t_region, tsc_now(), 0);
+    if (trace) trace_add(t, -1, nt, t_region, tsc_now(), groups, k);
   }
 }
 
@@ -1157,7 +1158,7 @@ void run_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group, E
     const float* a = x.data_ptr<float>();
     const auto multiply = [&](const auto* b) {
       run_gemm_blocks(
-          m, groups, group,
+          m, groups, group, k,
           [&](int64_t r, int64_t len, int64_t g, float* c) {
             for (int64_t j = 0; j < group; ++j)
               f32_gemm(len, k, a + r * lda, lda, b + (g * group + j) * block, c + j * cblock);
@@ -1178,7 +1179,7 @@ void run_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group, E
   const auto* b = static_cast<const at::BFloat16*>(packed.data_ptr());
   const bool tiles = gemm_uses_amx();
   run_gemm_blocks(
-      m, groups, group,
+      m, groups, group, k,
       [&](int64_t r, int64_t len, int64_t g, float* c) {
         for (int64_t j = 0; j < group; ++j) {
           if (tiles)
