@@ -485,6 +485,28 @@ def test_gemm_trace_records_every_claim_once_and_only_while_on(ops, dtype, w_dty
         assert per_group == [rows] * groups
 
 
+def test_gemm_trace_names_each_gemm_of_a_layer_by_its_shape():
+    """bench/gemm_trace.py names a traced call from the shape the trace carries, so a GEMM that
+    ran elsewhere (oneDNN) leaves a gap instead of shifting every later name."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gemm_trace.py"
+    spec = importlib.util.spec_from_file_location("pagoda_bench_gemm_trace", path)
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+    for cfg in (SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,  # SmolLM2-135M
+                                intermediate_size=1536, vocab_size=49152),
+                SimpleNamespace(hidden_size=256, num_attention_heads=4, num_key_value_heads=4,  # no GQA
+                                intermediate_size=640, vocab_size=1024)):
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * (h // cfg.num_attention_heads)
+        shapes = {"qkv": (qkv // 64, 1, h), "o_proj": (h // 64, 1, h), "gate_up": (2 * inter // 64, 2, h),
+                  "down": (h // 64, 1, inter), "lm_head": (cfg.vocab_size // 64, 1, h)}
+        assert {name: trace.kind_of(*shape, cfg) for name, shape in shapes.items()} == {n: n for n in shapes}
+
+
 @pytest.mark.parametrize("dtype", GEMM_DTYPES)
 def test_gemms_reject_bad_shapes(ops, dtype):
     cpu = _gemm_ops(ops, dtype)
