@@ -117,6 +117,10 @@ def main(args: argparse.Namespace) -> None:
     if shutil.which("redis-server") is None:
         sys.exit(REDIS_MISSING)
     workdir = tempfile.mkdtemp(prefix="pagoda-stack-")
+    # The stack talks to these three, so it picks their ports. The /metrics endpoints, which it does
+    # not read, get port 0 and take whatever port the OS gives as they bind: a port picked here but
+    # bound only after the model loads can be taken in between (a fresh-clone CI run once lost the
+    # engine's that way, EADDRINUSE).
     redis_port, engine_port, router_port = _free_port(), _free_port(), _free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     target = f"127.0.0.1:{router_port}"
@@ -135,11 +139,11 @@ def main(args: argparse.Namespace) -> None:
         print(f"engine ({args.model}, {args.dtype}) on 127.0.0.1:{engine_port}")
         procs.append(subprocess.Popen([sys.executable, "-m", "engine_service", "serve", "--model", args.model,
                                        "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(engine_port),
-                                       "--metrics-port", str(_free_port()), "--redis-url", redis_url, *log_level],
+                                       "--metrics-port", "0", "--redis-url", redis_url, *log_level],
                                       env=colocated_engine_env(), start_new_session=True))
         print(f"router on {target}")
         procs.append(subprocess.Popen([sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port",
-                                       str(router_port), "--metrics-port", str(_free_port()), "--redis-url",
+                                       str(router_port), "--metrics-port", "0", "--redis-url",
                                        redis_url, *log_level], start_new_session=True))
         _wait_serving(target, procs)
         asyncio.run(_demo(target, args.max_tokens))
