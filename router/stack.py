@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import shutil
 import signal
 import socket
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 DEMO_PROMPTS = ["Hello, my name is", "The capital of France is", "The future of AI is", "def fibonacci(n):",
                 "Three facts about the moon:", "A haiku about autumn:"]
@@ -25,10 +27,36 @@ REDIS_MISSING = """redis-server was not found on PATH. The local stack starts it
 or run the Docker stack instead: docker compose up"""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on, never handed out twice by this process, and outside the
+    kernel's ephemeral range. A port from bind(0) is in that range, where an outgoing connection (a
+    Redis or gRPC client) can take it before the child process that was given it binds it, seconds
+    later once its model has loaded (seen in the test fleet and in the stack: 'already in use')."""
+    lo, hi = _ephemeral_range()
+    pool = (20000, lo) if lo - 20000 >= 2000 else (hi + 1, 65536)
+    for _ in range(1000):
+        port = random.randrange(*pool)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {pool}")
 
 
 def colocated_engine_env() -> dict[str, str]:
@@ -117,11 +145,10 @@ def main(args: argparse.Namespace) -> None:
     if shutil.which("redis-server") is None:
         sys.exit(REDIS_MISSING)
     workdir = tempfile.mkdtemp(prefix="pagoda-stack-")
-    # The stack talks to these three, so it picks their ports. The /metrics endpoints, which it does
-    # not read, get port 0 and take whatever port the OS gives as they bind: a port picked here but
-    # bound only after the model loads can be taken in between (a fresh-clone CI run once lost the
-    # engine's that way, EADDRINUSE).
-    redis_port, engine_port, router_port = _free_port(), _free_port(), _free_port()
+    # The stack talks to these three, so it picks their ports (free_port: outside the ephemeral
+    # range). The /metrics endpoints, which it does not read, get port 0 and bind whatever port the
+    # OS gives (a metrics port picked by bind(0) was once taken before the engine bound it).
+    redis_port, engine_port, router_port = free_port(), free_port(), free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     target = f"127.0.0.1:{router_port}"
     procs: list[subprocess.Popen] = []

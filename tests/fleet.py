@@ -6,9 +6,7 @@ import asyncio
 import faulthandler
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,44 +16,14 @@ from pathlib import Path
 import grpc
 import redis
 
+from router.stack import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 # Small engines: the tests check behaviour, not speed. One torch thread each, so that two engines
 # and the test process share the CI machine's two cores without oversubscribing them.
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "64MiB",
                "--heartbeat-interval", "0.1", "--heartbeat-ttl", "1.5"]
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-_handed_out: set[int] = set()
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on, never handed out twice by this process, and outside the
-    kernel's ephemeral range: a port from bind(0) is in that range, where an outgoing connection
-    (a Redis or gRPC client of the running tests) can take it before the child process binds it
-    (seen: a router's metrics port 'already in use')."""
-    lo, hi = _ephemeral_range()
-    pool = (20000, lo) if lo - 20000 >= 2000 else (hi + 1, 65536)
-    for _ in range(1000):
-        port = random.randrange(*pool)
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free port in {pool}")
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
