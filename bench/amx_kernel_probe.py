@@ -182,6 +182,14 @@ def main() -> None:
     ap.add_argument("--rows", default="256,2048", help="row counts, multiples of 32")
     ap.add_argument("--reps", type=int, default=9)
     args = ap.parse_args()
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        rows = []
+    if not rows or any(r <= 0 or r % 32 for r in rows):
+        ap.error(f"--rows must be positive multiples of 32, comma-separated; got {args.rows!r}")
+    if args.reps < 1:
+        ap.error(f"--reps must be at least 1; got {args.reps}")
     if not has_amx():
         sys.exit("this CPU has no AMX-BF16: nothing to compare")
     torch.set_num_threads(1)
@@ -189,7 +197,6 @@ def main() -> None:
         ext = load_inline("pagoda_amx_probe", cpp_sources=SOURCE, functions=["run_gemm", "pack", "run_silu"],
                           extra_cflags=["-O3", "-march=native", "-mamx-tile", "-mamx-bf16"], build_directory=build)
     rate = measure_counter_rate(ext)
-    rows = [int(r) for r in args.rows.split(",")]
     print(f"one thread; time-stamp counter {rate / 1e9:.3f} GHz")
     print("| weight | case | rows | brgemm GFLOP/s | tiles 2x2 | tiles 2x2, K chunks of 288 |")
     print("|---|---|---|---|---|---|")

@@ -17,20 +17,15 @@ import argparse
 import asyncio
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from router.stack import free_port  # noqa: E402
 from throughput import load_workload_module  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile(values: list[float], q: float) -> float:
