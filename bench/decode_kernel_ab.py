@@ -5,11 +5,11 @@
 
 Runs the workload once with this checkout's kernels; every decode attention call of every layer
 is made twice on the same inputs, once by this checkout's kernel and once by OLD.cpp's (built as
-its own extension, ``bench/kernels.py --cpu-baseline``), the order alternating call by call, so
+its own extension, ``bench/kernel_bench.py --cpu-baseline``), the order alternating call by call, so
 both see the caches and the host as the engine leaves them (the K/V of the other layers, the GEMM
 before). The engine continues with this checkout's output; the two outputs are compared bitwise.
 Prints each kernel's total seconds over the run and the ratio. A kernel-level A/B in the engine's
-own conditions, which ``bench/kernels.py`` (synthetic caches, torch between calls) only
+own conditions, which ``bench/kernel_bench.py`` (synthetic caches, torch between calls) only
 approximates; whole runs of bench/compare.py cannot resolve a few percent of attention.
 
 A layer's K/V in a W decode step (~33 MB) fits the L3 share of some hosts, so the second kernel of
@@ -31,11 +31,11 @@ from engine_runner import drive, load_workload, pagoda_adder, warm_up_pagoda  # 
 
 
 def load_cpu_baseline(path: str):
-    """bench/kernels.py's builder, loaded under its own module name (a top-level module named
+    """bench/kernel_bench.py's builder, loaded under its own module name (a top-level module named
     `kernels` is what transformers probes for Hugging Face's package of that name)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("pagoda_bench_kernels", ROOT / "bench" / "kernels.py")
+    spec = importlib.util.spec_from_file_location("pagoda_bench_kernels", ROOT / "bench" / "kernel_bench.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.load_cpu_baseline(path)

@@ -3,7 +3,7 @@
     git show REV:kernels/csrc/paged_attention_cpu.cpp > /tmp/old.cpp
     python bench/prefill_kernel_ab.py /tmp/old.cpp [--dtype bfloat16] [--calls 40]
 
-Builds OLD.cpp as its own extension (``bench/kernels.py --cpu-baseline``) beside this checkout's
+Builds OLD.cpp as its own extension (``bench/kernel_bench.py --cpu-baseline``) beside this checkout's
 kernels and times both ``paged_prefill_attention`` ops on the same inputs, call by call in
 alternating order, for W-like steps at SmolLM2's shapes (9 q heads, 3 kv heads, head_dim 64; K/V
 blocks at random places): several prompts of 256 tokens, one 2048-token chunk, chunks after 256
@@ -39,7 +39,7 @@ CASES = {  # name: (cached tokens, new tokens) per sequence
 
 
 def make_case(chunks, dtype):
-    """The op's inputs for one step (bench/kernels.py's prefill inputs, int32 tables as CpuAttention
+    """The op's inputs for one step (bench/kernel_bench.py's prefill inputs, int32 tables as CpuAttention
     prepares them) and the step's causal FLOPs."""
     q, _, _, key_cache, value_cache, meta = _cpu_prefill_inputs(H, KV, D, chunks, dtype)
     CpuAttention().prepare(meta, BLOCK_SIZE)

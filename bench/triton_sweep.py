@@ -2,7 +2,7 @@
 
     python bench/triton_sweep.py [--out sweep.json] [--quick]
 
-For each decode case (bench/kernels.py's CUDA cases) it times BLOCK_N x num_warps x num_stages x
+For each decode case (bench/kernel_bench.py's CUDA cases) it times BLOCK_N x num_warps x num_stages x
 split count (the heuristic's choice, half and double it); for each prefill case BLOCK_M (query rows)
 x BLOCK_N x num_warps x num_stages, with the GQA group packed into the query tile (and, with
 ``--prefill-packs both``, one program per q head too). Every configuration is checked against the default one's output before

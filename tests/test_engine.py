@@ -290,12 +290,42 @@ def test_logprobs_match_transformers(tiny_llama_dir, hf_tiny, prompts, reference
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-5)
 
 
-def test_importing_pagoda_kernels_does_not_confuse_transformers():
-    import pagoda_kernels  # noqa: F401
-    from transformers.utils import import_utils
+_KERNELS_PROBE = """
+import importlib.metadata, importlib.util, json
+spec = importlib.util.find_spec("kernels")
+import transformers.integrations.hub_kernels  # imports Hugging Face's `kernels` where it is installed
+from transformers.utils import import_utils
+try:
+    hf_kernels = importlib.metadata.version("kernels")
+except importlib.metadata.PackageNotFoundError:
+    hf_kernels = None
+print(json.dumps({"origin": spec and spec.origin, "hf_kernels": hf_kernels,
+                  "available": import_utils.is_kernels_available()}))
+"""
 
-    import_utils.is_kernels_available.cache_clear()
-    assert not import_utils.is_kernels_available(), "transformers mistook Pagoda's kernels for HF's `kernels`"
+
+@pytest.mark.parametrize("cwd", [".", "bench"])
+def test_kernels_folder_never_shadows_hugging_face_kernels(cwd):
+    """Our kernels/ folder is a namespace portion imported as `pagoda_kernels`, and bench/ holds no
+    `kernels` module, so `import kernels` from the repository root (pytest, `python -m
+    engine_service`, the Docker image's /app) or from a bench script finds Hugging Face's package
+    where transformers installed it (5.25+ imports it at start-up) and nothing usable where not."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", _KERNELS_PROBE], cwd=root / cwd, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    probe = json.loads(run.stdout.strip().splitlines()[-1])
+    origin = probe["origin"]
+    assert origin is None or root not in Path(origin).resolve().parents, f"`kernels` resolved to {origin}"
+    if probe["hf_kernels"] is None:
+        assert not probe["available"], "transformers mistook Pagoda's kernels/ for Hugging Face's `kernels`"
+    else:
+        assert origin is not None and Path(origin).parent.name == "kernels", origin
 
 
 def _logits_per_step(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], prune: bool):

@@ -1,8 +1,8 @@
 """Attention kernel micro-benchmarks.
 
-    python bench/kernels.py [--device cpu] [--reps 10] [--threads N] [--dtype bf16 fp32] [--only prefill|layer_ops]
+    python bench/kernel_bench.py [--device cpu] [--reps 10] [--threads N] [--dtype bf16 fp32] [--only prefill|layer_ops]
                             [--cpu-baseline OLD.cpp]
-    python bench/kernels.py --device cuda [--dtype bf16] [--peak-gbs 3350 --peak-tflops 989]
+    python bench/kernel_bench.py --device cuda [--dtype bf16] [--peak-gbs 3350 --peak-tflops 989]
 
 CPU decode: the C++ paged decode kernel vs TorchAttention.decode (gather, then attend). Every case
 runs the implementations in the same process on the same inputs, calls interleaved: random,
