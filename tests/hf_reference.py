@@ -32,3 +32,18 @@ def hf_greedy_with_logits(model, prompt_ids: list[int], max_new: int) -> tuple[l
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding of one prompt with the model's own KV cache: the tokens."""
     return hf_greedy_with_logits(model, prompt_ids, max_new_tokens)[0]
+
+
+def hf_argmax_gaps(model, prompt_ids: list[int], token_ids: list[int]) -> tuple[list[int], list[float]]:
+    """Teacher forcing: one forward of transformers over ``prompt_ids + token_ids``. For each of
+    ``token_ids``: transformers' own argmax after the same prefix, and how far below its top logit
+    the given token's logit lies (0 where the token is the argmax).
+
+    Where every gap is 0, ``token_ids`` is exactly transformers' greedy decoding of the prompt (by
+    induction over the positions), found in one forward instead of one per token."""
+    ids = torch.tensor([prompt_ids + token_ids], device=model.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float()
+    chosen = logits.gather(1, torch.tensor(token_ids, device=model.device)[:, None])[:, 0]
+    top = logits.max(dim=1)
+    return top.indices.tolist(), (top.values - chosen).tolist()
