@@ -2,7 +2,11 @@
 batch is scheduled (chunked, preempted, swapped, prefix-cached, forked), plus the request API."""
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -310,11 +314,6 @@ def test_kernels_folder_never_shadows_hugging_face_kernels(cwd):
     `kernels` module, so `import kernels` from the repository root (pytest, `python -m
     engine_service`, the Docker image's /app) or from a bench script finds Hugging Face's package
     where transformers installed it (5.25+ imports it at start-up) and nothing usable where not."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     run = subprocess.run([sys.executable, "-c", _KERNELS_PROBE], cwd=root / cwd, capture_output=True,
                          text=True, timeout=120)
