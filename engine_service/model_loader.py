@@ -1,9 +1,9 @@
 """Find a model's files: the bundled GGUF, any GGUF file, or a Hugging Face directory.
 
-A GGUF file is converted once (transformers reads and dequantizes it, ~20 s) into a plain Hugging
-Face directory under the cache root, keyed by the file's sha256; every later start reads that
-directory (float32 safetensors + tokenizer.json) in about a second. Nothing here ever
-downloads from the Hub.
+A GGUF file is converted once (``gguf_convert``: one pass over the file, ~4 s for the bundled
+model) into a plain Hugging Face directory under the cache root, keyed by the file's sha256; every
+later start reads that directory (float32 safetensors + tokenizer.json) in about a second. Nothing
+here ever downloads from the Hub.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from collections.abc import Iterator
 import torch
 import transformers
 from safetensors import safe_open
+
+from engine_service.gguf_convert import convert_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -195,21 +197,7 @@ def _convert_gguf(gguf_path: str, final_dir: str) -> None:
     os.makedirs(parent, exist_ok=True)
     tmp_dir = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
     try:
-        src_dir, name = os.path.split(os.path.abspath(gguf_path))
-        tokenizer = transformers.AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            src_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
-        )
-        # The weights are already dequantized: drop the GGUF quantizer and its config marker so
-        # that save_pretrained works and the directory loads as an ordinary float32 checkpoint.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp_dir, safe_serialization=True)
-        # GGUF carries no tokenizer length limit; use the model's, as the HF release does.
-        tokenizer.model_max_length = model.config.max_position_embeddings
-        # The chat template goes into tokenizer_config.json, where every reader looks for it.
-        tokenizer.save_pretrained(tmp_dir, save_jinja_files=False)
+        convert_gguf(gguf_path, tmp_dir)
         _make_shareable(tmp_dir)
         try:
             os.rename(tmp_dir, final_dir)

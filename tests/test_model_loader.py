@@ -44,7 +44,7 @@ def converted(tmp_path_factory):
     """Convert the bundled GGUF once, into a private cache, counting conversions.
 
     Module-scoped so that PAGODA_CACHE_DIR points at the temp cache only while this module runs
-    (other modules keep using the user's cache); the conversion (~15-20 s) happens once.
+    (other modules keep using the user's cache); the conversion (~4 s) happens once.
     """
     calls = []
     real_convert = model_loader._convert_gguf
@@ -80,6 +80,12 @@ def test_converted_dir_is_a_plain_hf_checkpoint_with_identical_weights(converted
     config = load_config(model_dir)
     assert getattr(config, "quantization_config", None) is None
     assert (config.model_type, config.num_hidden_layers, config.vocab_size) == ("llama", NUM_LAYERS, 49152)
+    # Every field transformers derives from the GGUF, bar where it came from.
+    provenance = {"_name_or_path", "_model_name_or_path", "quantization_config", "architectures"}
+    ours_config, ref_config = config.to_dict(), ref_model.config.to_dict()
+    assert {k: v for k, v in ours_config.items() if k not in provenance} == {
+        k: v for k, v in ref_config.items() if k not in provenance}
+    assert config.architectures == ["LlamaForCausalLM"]
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert getattr(model, "hf_quantizer", None) is None
