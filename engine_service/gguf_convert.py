@@ -28,6 +28,7 @@ _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f"
 _NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
                 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
+GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
 # GGUF architecture -> (HF model_type, model class). Mistral's files say "llama".
@@ -109,7 +110,7 @@ class _Cursor:
 def read_header(buffer) -> GgufHeader:
     """Metadata and tensor table of a GGUF file (version 2 or 3) held in ``buffer``."""
     cursor = _Cursor(buffer)
-    if bytes(buffer[:4]) != b"GGUF":
+    if bytes(buffer[:4]) != GGUF_MAGIC:
         raise ValueError("not a GGUF file (bad magic)")
     cursor.pos = 4
     version = cursor.unpack("<I")

@@ -22,7 +22,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from engine_service.gguf_convert import convert_gguf
+from engine_service.gguf_convert import GGUF_MAGIC, convert_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,6 @@ BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted layout changes, so that old cache entries are not reused.
 CONVERSION_VERSION = 1
 _INDEX_NAME = "gguf_hashes.json"
-_GGUF_MAGIC = b"GGUF"
 
 
 def bundled_gguf_path() -> str:
@@ -93,7 +92,7 @@ def resolve_model_dir(model: str | None) -> str:
     if os.path.isfile(path):
         with open(path, "rb") as f:
             magic = f.read(4)
-        if magic != _GGUF_MAGIC:
+        if magic != GGUF_MAGIC:
             raise ValueError(f"model file {model!r} is not a GGUF file: {accepted}")
         return _converted_dir(path)
     raise ValueError(f"model {model!r} does not exist: {accepted}")

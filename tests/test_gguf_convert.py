@@ -26,6 +26,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>"]
 # How each weight is stored: unquantized ones must come back exactly, quantized ones as transformers reads them.
 STORAGE = {"attn_q": Q.F32, "attn_k": Q.F32, "attn_v": Q.Q4_1, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_1,
            "ffn_up": Q.F16, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0, "output": Q.BF16}
+HF_TOP_LEVEL_NAMES = {v: k for k, v in gguf_convert._TOP_LEVEL_NAMES.items()}
 HF_LAYER_NAMES = {v: k for k, v in gguf_convert._LAYER_NAMES.items()}
 
 
@@ -61,12 +62,16 @@ def _hf_weights(architecture: str, vocab: int, tied: bool, rng: np.random.Genera
 
 
 def _gguf_name(hf_name: str) -> str:
-    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     base, _, kind = hf_name.rpartition(".")
-    if base in top:
-        return f"{top[base]}.{kind}"
+    if base in HF_TOP_LEVEL_NAMES:
+        return f"{HF_TOP_LEVEL_NAMES[base]}.{kind}"
     _, _, layer, rest = base.split(".", 3)
     return f"blk.{layer}.{HF_LAYER_NAMES[rest]}.{kind}"
+
+
+def _storage(gguf_name: str, ndim: int) -> Q:
+    """How the weight is stored in the test files (vectors always as F32)."""
+    return STORAGE.get(gguf_name.split(".")[-2], Q.F32) if ndim == 2 else Q.F32
 
 
 def _permute_like_llama_cpp(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -99,7 +104,7 @@ def write_gguf(path: str, architecture: str, weights: dict[str, np.ndarray], tok
         name = _gguf_name(hf_name)
         if architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
             value = _permute_like_llama_cpp(value, heads if ".attn_q." in name else kv_heads)
-        storage = STORAGE.get(name.split(".")[-2], Q.F32) if value.ndim == 2 else Q.F32
+        storage = _storage(name, value.ndim)
         if storage == Q.F32:
             writer.add_tensor(name, value)
         else:
@@ -121,14 +126,14 @@ def test_conversion_matches_transformers_gguf_load(tmp_path, architecture, tied)
     convert_gguf(path, str(out_dir))
 
     ours = load_file(str(out_dir / "model.safetensors"))
-    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf",
-                                                                  dtype=torch.float32).state_dict()
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32)
+    reference = ref_model.state_dict()
     assert ours.keys() == original.keys()
     assert ours.keys() == reference.keys() - ({"lm_head.weight"} if tied else set())
     for name, tensor in ours.items():
         assert tensor.dtype == torch.float32 and tensor.is_contiguous(), name
         assert torch.equal(tensor, reference[name]), name  # bitwise what transformers' own load gives
-        stored = STORAGE.get(_gguf_name(name).split(".")[-2], Q.F32) if tensor.ndim == 2 else Q.F32
+        stored = _storage(_gguf_name(name), tensor.ndim)
         expected = torch.from_numpy(original[name])
         if stored == Q.F32:  # q/k included: llama.cpp's rotary row order undone exactly
             assert torch.equal(tensor, expected), name
@@ -151,7 +156,6 @@ def test_conversion_matches_transformers_gguf_load(tmp_path, architecture, tied)
         assert json.load(f)["eos_token_id"] == len(tokens) - 2
     # The converted directory loads as an ordinary checkpoint and computes what transformers' GGUF load does.
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32)
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32)
     ids = torch.tensor([[1, 5, 9, 200, 3]])
     assert torch.equal(model(ids).logits, ref_model(ids).logits)
 
