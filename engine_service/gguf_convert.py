@@ -116,16 +116,19 @@ def read_header(buffer) -> GgufHeader:
     version = cursor.unpack("<I")
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
-    num_tensors, num_values = cursor.unpack("<Q"), cursor.unpack("<Q")
-    metadata = {}
-    for _ in range(num_values):
-        key = cursor.string()
-        metadata[key] = cursor.value(cursor.unpack("<I"))
-    entries = []
-    for _ in range(num_tensors):
-        name = cursor.string()
-        dims = [cursor.unpack("<Q") for _ in range(cursor.unpack("<I"))]
-        entries.append((name, tuple(reversed(dims)), cursor.unpack("<I"), cursor.unpack("<Q")))
+    try:
+        num_tensors, num_values = cursor.unpack("<Q"), cursor.unpack("<Q")
+        metadata = {}
+        for _ in range(num_values):
+            key = cursor.string()
+            metadata[key] = cursor.value(cursor.unpack("<I"))
+        entries = []
+        for _ in range(num_tensors):
+            name = cursor.string()
+            dims = [cursor.unpack("<Q") for _ in range(cursor.unpack("<I"))]
+            entries.append((name, tuple(reversed(dims)), cursor.unpack("<I"), cursor.unpack("<Q")))
+    except (struct.error, ValueError) as e:  # a length or count read from a cut or damaged file
+        raise ValueError(f"GGUF header is truncated or corrupt at byte {cursor.pos}: {e}") from None
     alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
     data_start = -(-cursor.pos // alignment) * alignment
     tensors = [TensorInfo(name, shape, ggml_type, data_start + offset) for name, shape, ggml_type, offset in entries]
@@ -186,6 +189,9 @@ def read_tensor(buffer, info: TensorInfo) -> torch.Tensor:
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     row_bytes = info.shape[-1] // block_size * type_size
     rows = int(np.prod(info.shape[:-1], dtype=np.int64))
+    if info.offset + rows * row_bytes > len(buffer):
+        raise ValueError(f"GGUF tensor {info.name!r} runs past the end of the file ({len(buffer)} bytes): "
+                         "the file is truncated")
     raw = np.frombuffer(buffer, dtype=np.uint8, count=rows * row_bytes, offset=info.offset)
     values = dequantize(raw.reshape(*info.shape[:-1], row_bytes), qtype)
     if not values.flags.writeable:  # float32 tensors come back as views of the file

@@ -182,3 +182,21 @@ def test_unsupported_architecture_and_tensors_are_named(tmp_path):
     with pytest.raises(ValueError, match="GGUF version 1 is not supported"):
         convert_gguf(str(version_1), str(tmp_path))
     assert not os.path.exists(tmp_path / "model.safetensors")
+
+
+def test_truncated_files_raise_value_errors_naming_the_damage(tmp_path):
+    tokens = _tokens()
+    path = tmp_path / "tiny.gguf"
+    write_gguf(str(path), "llama", _hf_weights("llama", len(tokens), True, np.random.default_rng(1)), tokens)
+    data = path.read_bytes()
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    cut_in_data = tmp_path / "cut_in_data.gguf"
+    cut_in_data.write_bytes(data[:len(data) - 1000])
+    with pytest.raises(ValueError, match=r"GGUF tensor '.+' runs past the end of the file .* truncated"):
+        convert_gguf(str(cut_in_data), str(out_dir))
+    cut_in_header = tmp_path / "cut_in_header.gguf"
+    cut_in_header.write_bytes(data[:2000])  # inside the vocabulary
+    with pytest.raises(ValueError, match="GGUF header is truncated or corrupt at byte"):
+        convert_gguf(str(cut_in_header), str(out_dir))
+    assert not os.listdir(out_dir)
