@@ -2,14 +2,16 @@
 where the CPU has AVX2 and FMA) and torch's F.linear on the plain weight (MKL's sgemm in torch's CPU wheels),
 at the bundled model's weight shapes and W's row counts.
 
-    python bench/fp32_linear_ab.py [--rows 8 64 256 1024 2048] [--shapes qkv o gate_up down lm] [--threads N]
+    python bench/fp32_linear_ab.py [--rows 8 64 256 1024 2048] [--shapes qkv o gate_up down lm lm_argmax] [--threads N]
 
 All run on the same inputs, alternating, best of five rounds of enough calls for ~2 GFLOP each.
 Prints each form's GFLOP/s and the ratios to oneDNN's (> 1: faster than oneDNN). The engine packs
 every float32 weight for oneDNN (``pack_cpu_weight``) and, on CPUs with AVX2 and FMA, the decoder
 layers' weights for Pagoda's GEMM instead (``EngineConfig.cpu_f32_gemm``); bench/RESULTS.md reads
 this on an AVX2-only host (the twenty-fourth and twenty-seventh sessions) and on Zen 4 (the
-twenty-ninth).
+twenty-ninth). ``lm_argmax`` is the LM head of a greedy step: each form's GEMM followed by the argmax
+of its logits (``CpuLayerOps.argmax``), and Pagoda's with the argmax inside (``gemm_linear_argmax``,
+the logits never written), as a float32 model's tied head runs where our GEMM is built.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_service.models.llama import linear, pack_cpu_weight  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm": (49152, 576)}
+ARGMAX_SHAPES = {"lm_argmax": (49152, 576)}  # this bench's only: the GEMM and then the argmax
 
 
 def gemm_parser(doc: str, rows: list[int], shapes: dict = SHAPES) -> argparse.ArgumentParser:
@@ -47,7 +50,7 @@ def seconds(fn, reps: int) -> float:
 
 
 def main() -> None:
-    ap = gemm_parser(__doc__, [8, 64, 256, 1024, 2048])
+    ap = gemm_parser(__doc__, [8, 64, 256, 1024, 2048], {**SHAPES, **ARGMAX_SHAPES})
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:
@@ -62,19 +65,28 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for rows in args.rows:
         for name in args.shapes:
-            n, k = SHAPES[name]
+            n, k = {**SHAPES, **ARGMAX_SHAPES}[name]
             w, x = torch.randn(n, k), torch.randn(rows, k)
             packed = pack_cpu_weight(w, 256)
             if packed is None:
                 raise SystemExit("this torch build has no oneDNN")
             gemm = ops.gemm_pack(w) if ours else None
-            reps = max(3, int(2e9 / (2 * rows * n * k)))
-            times: dict[str, list[float]] = {"onednn": [], "pagoda": [], "plain": []}
-            for _ in range(5):
-                times["onednn"].append(seconds(lambda: linear(x, packed, packed=True), reps))
+            forms = {"onednn": lambda: linear(x, packed, packed=True), "plain": lambda: F.linear(x, w)}
+            if ours:
+                forms["pagoda"] = lambda: ops.gemm_linear(x, gemm)
+            if name in ARGMAX_SHAPES:
+                forms = {key: (lambda f=f: ops.argmax(f())) for key, f in forms.items()}
                 if ours:
-                    times["pagoda"].append(seconds(lambda: ops.gemm_linear(x, gemm), reps))
-                times["plain"].append(seconds(lambda: F.linear(x, w), reps))
+                    forms["pagoda"] = lambda: ops.gemm_linear_argmax(x, gemm, n)
+                    tokens = {key: f() for key, f in forms.items()}
+                    if not torch.equal(tokens["pagoda"], tokens["onednn"]):
+                        print(f"note: {int((tokens['pagoda'] != tokens['onednn']).sum())} of {rows} rows' "
+                              "argmax differ from oneDNN's (other sums' rounding on random data)")
+            reps = max(3, int(2e9 / (2 * rows * n * k)))
+            times: dict[str, list[float]] = {key: [] for key in forms}
+            for _ in range(5):
+                for key, f in forms.items():
+                    times[key].append(seconds(f, reps))
             flop = 2 * rows * n * k * reps
             best = {key: min(v) for key, v in times.items() if v}
             rate = {key: f"{flop / s / 1e9:.1f}" for key, s in best.items()}

@@ -178,6 +178,28 @@ def test_tied_lm_head_on_the_float32_kernel_keeps_its_bf16_weight():
     assert ((logits.double() - want.double()).abs() <= 2 ** -7 * want.double().abs() + 1e-6).all()
 
 
+def test_tied_lm_head_of_a_float32_model_on_the_float32_kernel():
+    """A float32 model with a tied LM head where our float32 GEMMs run (AVX2 and FMA): the head
+    multiplies the embedding table packed for that kernel, as an untied head's weight is, so greedy
+    rows take their argmax inside it (the logits never written: 1.11-1.24x oneDNN's GEMM plus the
+    argmax at 8-256 rows on Zen 5) and a row's logits do not depend on the step's other rows."""
+    ops = _cpu_layer_ops()
+    if not getattr(ops, "f32_gemm", False):
+        pytest.skip("this CPU has no AVX2 and FMA: no float32 kernel of ours")
+    model = _tiny_tied_bf16_model().float()
+    assert model.pack_weights(16, gemm_ops=ops)
+    assert model.tied_lm_head_gemm.dtype == torch.float32 and model.tied_lm_head_packed is None
+    hidden = torch.randn(5, 64)
+    logits = model.compute_logits(hidden)
+    assert logits.shape == (5, 640) and logits.dtype == torch.float32
+    assert torch.equal(logits, ops.gemm_linear(hidden, model.tied_lm_head_gemm))  # the head's route
+    assert torch.equal(model.compute_logits(hidden[3:4]), logits[3:4])  # the same bits alone
+    for vocab in (640, 600):
+        assert torch.equal(model.greedy_tokens(hidden, vocab), ops.argmax(logits[:, :vocab].contiguous()))
+    want = hidden.double() @ model.embed_tokens.weight.double().T
+    torch.testing.assert_close(logits.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_tied_lm_head_on_the_bf16_kernel():
     """A bf16 model on a CPU with AVX512-BF16 or AMX: the tied LM head multiplies the embedding
     table packed for our bf16 GEMM, as the decoder layers do (as fast as oneDNN's, and not held up

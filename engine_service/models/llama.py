@@ -429,14 +429,17 @@ class LlamaForCausalLM(nn.Module):
         too (on the float32 kernel faster than oneDNN on a float32 copy at every row count a step
         hands it; on AVX512-BF16 as fast as oneDNN and, like every GEMM of ours, not held up by a
         preempted thread: bench/RESULTS.md); with AMX as fast as oneDNN in a run of the shared
-        workload, and there too greedy rows then take their argmax in the GEMM (``greedy_tokens``)."""
+        workload, and there too greedy rows then take their argmax in the GEMM (``greedy_tokens``).
+        A float32 model's tied head takes the float32 kernel on its table (untied heads already
+        did): with the argmax inside, 1.11-1.24x oneDNN's GEMM plus the argmax at 8-256 rows on Zen 5,
+        W in float32 +1.3% (four pairs, 1.001-1.037; bench/RESULTS.md)."""
         for layer in self.layers:
             layer.mlp.pack_gemm(ops, float32_kernel)
             for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
                 proj.pack_gemm(ops, float32_kernel)
         if not self.tie_word_embeddings:
             self.lm_head.pack_gemm(ops, float32_kernel)
-        elif self.embed_tokens.weight.dtype == torch.bfloat16 and self.config.vocab_size % 64 == 0:
+        elif self.config.vocab_size % 64 == 0:
             self.tied_lm_head_gemm = ops.gemm_pack(self.embed_tokens.weight, float32_kernel=float32_kernel)
             self.gemm_ops = ops
 
