@@ -1,9 +1,13 @@
 """Batched token sampler: structured-output masks, penalties, min_tokens, temperature, min_p /
 top_k / top_p, logprobs.
 
-Semantics follow vLLM V1's sampler. Every stage works on whole [rows, vocab] tensors and is
-skipped when no row needs it; the only per-row Python work is building small parameter tensors
-and drawing the random numbers of seeded rows from their own generators.
+Semantics follow vLLM V1's sampler. On CPU everything after the grammar's mask (penalties,
+min_tokens, temperature, the filters, the draw) is one C++ pass a row (``CpuLayerOps.sample``: the
+filters' thresholds by selection, no sort; one uniform a row, no noise per token). The torch path
+here is the reference it is tested against, and the path elsewhere: every stage works on whole
+[rows, vocab] tensors and is skipped when no row needs it. Either way the only per-row Python work
+is building small parameter tensors and drawing the random numbers of seeded rows from their own
+generators.
 """
 from __future__ import annotations
 
@@ -71,11 +75,16 @@ class Sampler:
     than ``min_tokens`` output tokens.
     """
 
-    def __init__(self, vocab_size: int, eos_token_ids: set[int], argmax=None):
+    def __init__(self, vocab_size: int, eos_token_ids: set[int], argmax=None, sample=None):
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
         # The all-greedy batch's argmax (first maximum per row): a layer-ops kernel where there is one.
         self.argmax = argmax or TorchLayerOps().argmax
+        # Every row's token in one pass a row (``CpuLayerOps.sample``: the filters by selection, one
+        # uniform a row), where there is such a kernel; None: the torch path below, which sorts the
+        # vocabulary for top_p and draws an exponential per token (256 rows of 49152: 0.22 s at a
+        # temperature, 0.61 s with top_p, against a few ms; bench/RESULTS.md).
+        self.sample = sample
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits[:, : self.vocab_size]
@@ -91,29 +100,16 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         structured = batch.structured
 
-        logits = logits.float()
+        if self.sample is None or num_logprobs or structured is not None:
+            logits = logits.float()  # (the kernel reads bf16 logits as they are)
         raw_logprobs = logits.log_softmax(-1) if num_logprobs else None
         if structured is not None:
             # First, as in vLLM: the grammar decides which tokens exist, the rest samples among them.
             logits = structured.masker.apply(logits, structured)
-        if penalized:
-            logits = self._apply_penalties(logits, batch, penalized)
-        if min_tokens_rows:
-            logits = self._mask_stop_tokens(logits, batch, min_tokens_rows)
-
-        if len(random_rows) == len(params):
-            sampled = self._sample_random(logits, params, batch.generators)
+        if self.sample is not None:  # the penalties and min_tokens' ban too, row by row
+            sampled = self._sample_rows(logits, batch, penalized, min_tokens_rows)
         else:
-            # Greedy rows take the argmax after penalties but before temperature etc., as in vLLM.
-            sampled = logits.argmax(-1)
-            if random_rows:
-                idx = torch.tensor(random_rows, device=logits.device)
-                random_sampled = self._sample_random(
-                    logits[idx],
-                    [params[i] for i in random_rows],
-                    [batch.generators[i] for i in random_rows],
-                )
-                sampled = sampled.index_copy(0, idx, random_sampled)
+            sampled = self._sample_torch(logits, batch, penalized, min_tokens_rows, random_rows)
 
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
@@ -154,6 +150,10 @@ class Sampler:
         counts = torch.bincount(row * width + flat, minlength=len(token_ids) * width)
         return counts.view(len(token_ids), width)[:, :vocab_size].float()
 
+    def _stop_ids(self, p: SamplingParams) -> list[int]:
+        """The ids a row short of its min_tokens may not sample: EOS and its stop token ids."""
+        return [t for t in self.eos_token_ids | set(p.stop_token_ids) | p.all_stop_token_ids if t < self.vocab_size]
+
     def _mask_stop_tokens(
         self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]
     ) -> torch.Tensor:
@@ -161,9 +161,7 @@ class Sampler:
         row_ids: list[int] = []
         col_ids: list[int] = []
         for i in rows:
-            p = batch.params[i]
-            stop_ids = self.eos_token_ids | set(p.stop_token_ids) | p.all_stop_token_ids
-            stop_ids = [t for t in stop_ids if t < self.vocab_size]
+            stop_ids = self._stop_ids(batch.params[i])
             row_ids += [i] * len(stop_ids)
             col_ids += stop_ids
         if not col_ids:
@@ -171,6 +169,60 @@ class Sampler:
         device = logits.device
         index = (torch.tensor(row_ids, device=device), torch.tensor(col_ids, device=device))
         return logits.index_put(index, torch.tensor(_NEG_INF, device=device))
+
+    def _sample_torch(self, logits: torch.Tensor, batch: SamplingBatch, penalized: list[int],
+                      min_tokens_rows: list[int], random_rows: list[int]) -> torch.Tensor:
+        """Every row's token with torch ops on whole [rows, vocab] tensors (the reference; the
+        kernel's rules are these)."""
+        params = batch.params
+        if penalized:
+            logits = self._apply_penalties(logits, batch, penalized)
+        if min_tokens_rows:
+            logits = self._mask_stop_tokens(logits, batch, min_tokens_rows)
+        if len(random_rows) == len(params):
+            return self._sample_random(logits, params, batch.generators)
+        # Greedy rows take the argmax after penalties but before temperature etc., as in vLLM.
+        sampled = logits.argmax(-1)
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            random_sampled = self._sample_random(
+                logits[idx],
+                [params[i] for i in random_rows],
+                [batch.generators[i] for i in random_rows],
+            )
+            sampled = sampled.index_copy(0, idx, random_sampled)
+        return sampled
+
+    def _sample_rows(self, logits: torch.Tensor, batch: SamplingBatch, penalized: list[int],
+                     min_tokens_rows: list[int]) -> torch.Tensor:
+        """Every row's token with the ``sample`` kernel, penalties and min_tokens' ban included:
+        greedy rows take the argmax, the others one draw at a uniform of their own generator
+        (seeded rows: their tokens depend on the seed alone, not on the batch) or of the global
+        one."""
+        params, generators = batch.params, batch.generators
+        vocab_size = logits.shape[1]
+        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else 0 for p in params], dtype=torch.long)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        uniform = torch.rand(len(params), dtype=torch.float64)
+        for i, g in enumerate(generators):
+            if g is not None:
+                uniform[i] = torch.rand(1, dtype=torch.float64, generator=g)[0]
+        penalties = prompt = output = banned = None
+        if penalized:
+            rows = set(penalized)
+            penalties = torch.tensor([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+                                      for p in params], dtype=torch.float32)
+            prompt = _flat([batch.prompt_token_ids[i] if i in rows and params[i].repetition_penalty != 1.0 else ()
+                            for i in range(len(params))])
+            output = _flat([batch.output_token_ids[i] if i in rows else () for i in range(len(params))])
+        if min_tokens_rows:
+            rows = set(min_tokens_rows)
+            banned = _flat([sorted(self._stop_ids(params[i])) if i in rows else () for i in range(len(params))])
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        return self.sample(logits, temperature, top_k, top_p, min_p, uniform, penalties, prompt, output, banned)
 
     def _sample_random(
         self,
@@ -221,6 +273,14 @@ class Sampler:
         return torch.stack(
             [torch.empty(vocab_size, device="cpu").exponential_(generator=generators[i]) for i in rows]
         )
+
+
+def _flat(lists) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists of token ids as one int64 tensor and each list's start ([len(lists) + 1])."""
+    lengths = [len(x) for x in lists]
+    starts = torch.zeros(len(lists) + 1, dtype=torch.long)
+    torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0, out=starts[1:])
+    return torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long), starts
 
 
 def _has_penalties(p: SamplingParams) -> bool:

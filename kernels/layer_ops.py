@@ -72,6 +72,9 @@ class TorchLayerOps:
         maximum). max(-1).indices: on bfloat16 logits several times faster than torch's argmax."""
         return logits.max(-1).indices
 
+    # Random sampling in one pass a row (CpuLayerOps.sample); None here: the sampler's torch path.
+    sample = None
+
 
 class CpuLayerOps(TorchLayerOps):
     """The same ops as single C++ passes (float32 and bfloat16; other dtypes use torch)."""
@@ -88,6 +91,7 @@ class CpuLayerOps(TorchLayerOps):
         self._rotary_qkv_to_cache = torch.ops.pagoda_cpu.rotary_qkv_to_cache.default
         self._silu_and_mul = torch.ops.pagoda_cpu.silu_and_mul.default
         self._argmax = torch.ops.pagoda_cpu.argmax.default
+        self._sample_rows = torch.ops.pagoda_cpu.sample_rows.default
         self._argmax_vectorized = bool(torch.ops.pagoda_cpu.has_avx512())
         self.bf16_gemm = bool(torch.ops.pagoda_cpu.gemm_supported())
         # Our float32 GEMM (AVX-512 panels of 6 rows x 64 columns where the build targets AVX-512, else
@@ -155,6 +159,24 @@ class CpuLayerOps(TorchLayerOps):
             return super().argmax(logits)
         out = torch.empty(logits.shape[0], dtype=torch.long)
         self._argmax(logits, out)
+        return out
+
+    def sample(self, logits, temperature, top_k, top_p, min_p, uniform, penalties=None, prompt=None, output=None,
+               banned=None):
+        """One token a row of ``logits`` [N, V] (float32 or bfloat16, rows contiguous): the argmax
+        where ``temperature`` <= 0, else a draw from softmax(logits / temperature) kept to the
+        tokens with probability >= ``min_p`` x the largest (0: off), then the ``top_k`` largest
+        (0: off; ties kept), then the smallest top set with mass >= ``top_p`` (1: off; ties kept),
+        taken at ``uniform`` (float64 in [0, 1)) of the kept tokens' cumulative mass in index order.
+        Per-row tensors: temperature, top_p, min_p float32, top_k int64, uniform float64 [N].
+
+        Before that, on a float copy of a row (``logits`` is left as it is): ``penalties`` (float32
+        [N, 3]: repetition, frequency, presence; (1, 0, 0) for none) over ``prompt`` (repetition
+        only) and ``output`` token ids, then -inf on ``banned`` ids. Each of those three is
+        (ids int64 [M], starts int64 [N + 1]): row r's ids are ids[starts[r]:starts[r + 1]]."""
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        prompt, output, banned = ((None, None) if ids is None else ids for ids in (prompt, output, banned))
+        self._sample_rows(logits, temperature, top_k, top_p, min_p, uniform, penalties, *prompt, *output, *banned, out)
         return out
 
     # ---- GEMMs of our own (csrc/cpu_ops.cpp): bf16 (bf16_gemm: AMX tiles or AVX512-BF16) and

@@ -205,6 +205,191 @@ def test_argmax_matches_torch_max_indices(ops, dtype, rows, vocab):
     assert torch.equal(ref.argmax(logits), want)
 
 
+# ---- Random sampling in one pass a row (CpuLayerOps.sample) --------------------------------------
+
+def _kept_distribution(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float):
+    """float64 reference of the sampler's filters on one row (engine_service/sampler.py's order:
+    min_p, top_k with ties kept, then the smallest top set with mass >= top_p, ties kept): the kept
+    tokens' probabilities (zero elsewhere), and each token's distance from the top_p edge."""
+    z = row.double() / temperature
+    p = z.softmax(-1)
+    keep = p >= min_p * p.max()
+    if top_k:
+        kth = z[keep].topk(min(top_k, int(keep.sum()))).values[-1]
+        keep &= z >= kth
+    q = torch.where(keep, p, torch.zeros_like(p))
+    q = q / q.sum()
+    edge = torch.full_like(q, float("inf"))
+    if top_p < 1.0:
+        order = q.argsort(descending=True)
+        sq = q[order]
+        # mass strictly above each value (ties share it): cumulative mass before the first of its run
+        before = torch.cumsum(sq, 0) - sq
+        first = torch.searchsorted(-sq, -sq, side="left")  # descending: the first index of each run
+        above = torch.empty_like(q)
+        above[order] = before[first]
+        keep &= above < top_p
+        edge = (above - top_p).abs()
+        q = torch.where(keep, q, torch.zeros_like(q))
+        q = q / q.sum()
+    return q, edge
+
+
+SAMPLE_CASES = [  # temperature, top_k, top_p, min_p
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 0, 0.9, 0.0),
+    (1.3, 50, 1.0, 0.0),
+    (1.0, 40, 0.8, 0.0),
+    (0.9, 0, 0.95, 0.05),
+    (2.0, 3000, 0.5, 0.0),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [49152, 49157])  # 49157: a tail after the vector loops and the last block
+@pytest.mark.parametrize("case", SAMPLE_CASES, ids=lambda c: "T{}-k{}-p{}-minp{}".format(*c))
+def test_sample_inverts_the_kept_tokens_cumulative_mass(ops, dtype, vocab, case):
+    """At the model's vocabulary size, on uniforms spread over [0, 1): each token is the one whose
+    span of the kept tokens' cumulative mass (in index order) holds the uniform, against a float64
+    reference of the filters, so the kernel keeps exactly the reference's tokens and draws from
+    their renormalised probabilities; greedy rows beside them take the argmax."""
+    cpu, _ = ops
+    temperature, top_k, top_p, min_p = case
+    g = torch.Generator().manual_seed(vocab + int(100 * top_p) + top_k)
+    row = (torch.randn(vocab, generator=g) * 2).to(dtype)
+    row[[10, 300, vocab - 1]] = row.max() + 1  # a three-way tie for the top, across blocks
+    q, edge = _kept_distribution(row, temperature, top_k, top_p, min_p)
+    assert edge.min() > 1e-6, "a token sits on the top_p edge: the float rounding decides it"
+    n = 1024
+    uniform = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    logits = row.unsqueeze(0).expand(n + 1, -1)  # one row in memory (row stride 0), n + 1 draws
+    params = [torch.full((n + 1,), v, dtype=t) for v, t in
+              ((temperature, torch.float32), (top_k, torch.long), (top_p, torch.float32), (min_p, torch.float32))]
+    params[0][-1] = 0.0  # the last row is greedy
+    got = cpu.sample(logits, *params, torch.cat([uniform, torch.zeros(1, dtype=torch.float64)]))
+    assert got[-1] == row.float().argmax()
+    tokens = got[:n]
+    assert (q[tokens] > 0).all(), "sampled a token the filters drop"
+    cum = torch.cumsum(q, 0)
+    lo, hi = cum[tokens] - q[tokens], cum[tokens]
+    tol = 1e-5
+    assert ((lo - tol <= uniform) & (uniform <= hi + tol)).all()
+    kept = int((q > 0).sum())
+    if kept <= 64:  # few kept tokens: the grid reaches each one in proportion to its mass
+        counts = torch.bincount(tokens, minlength=vocab).double()
+        assert ((counts - q * n).abs() <= 2).all()
+
+
+def test_sample_keeps_ties_at_the_top_k_and_top_p_edges(ops):
+    """Tied logits at a filter's edge are all kept, as the sampler's torch path keeps them: top_k=1
+    and a tiny top_p on a three-way tie for the maximum draw each of the three a third of the time."""
+    cpu, _ = ops
+    vocab, n = 49152, 999
+    row = torch.full((vocab,), -5.0)
+    row[[7, 20000, 49151]] = 3.0
+    row[[8, 9]] = 2.9
+    uniform = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    logits = row.unsqueeze(0).expand(n, -1)
+    for top_k, top_p in ((1, 1.0), (0, 1e-9), (2, 0.5)):
+        got = cpu.sample(logits, torch.ones(n), torch.full((n,), top_k), torch.full((n,), top_p), torch.zeros(n),
+                         uniform)
+        assert torch.bincount(got, minlength=vocab)[[7, 20000, 49151]].tolist() == [333, 333, 333]
+
+
+def test_sample_top_k_tells_apart_probabilities_one_float_step_apart(ops):
+    """Ten tokens whose unnormalised probabilities are the ten floats just below 1.0 (logits
+    -j 2^-24: exp rounds them to 1 - j 2^-24) at shuffled places: top_k keeps exactly its k, so the
+    selection resolves the last bit of a float."""
+    cpu, _ = ops
+    vocab, n = 24, 200
+    g = torch.Generator().manual_seed(11)
+    places = torch.randperm(vocab, generator=g)[:10]
+    row = torch.full((vocab,), float("-inf"))
+    row[places] = -torch.arange(10, dtype=torch.float32) * 2.0 ** -24
+    uniform = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    for k in range(1, 10):
+        got = cpu.sample(row.unsqueeze(0).expand(n, -1), torch.ones(n), torch.full((n,), k), torch.ones(n),
+                         torch.zeros(n), uniform)
+        assert set(got.tolist()) == set(places[:k].tolist()), k
+
+
+def test_sample_flat_rows_take_every_radix_level(ops):
+    """Nearly equal logits (the kernel's unnormalised probabilities all in [0.61, 1]: a few buckets
+    of their top bits), so the top_p edge is found in the selection's last levels. The logits are
+    1e-5 apart, so that float32 holds no ties the float64 reference does not."""
+    cpu, _ = ops
+    vocab, n = 49157, 2048
+    g = torch.Generator().manual_seed(5)
+    row = torch.randperm(vocab, generator=g).float() * 1e-5
+    q, edge = _kept_distribution(row, 1.0, 0, 0.5, 0.0)
+    assert edge.min() > 1e-7
+    uniform = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    got = cpu.sample(row.unsqueeze(0).expand(n, -1), torch.ones(n), torch.zeros(n, dtype=torch.long),
+                     torch.full((n,), 0.5), torch.zeros(n), uniform)
+    assert (q[got] > 0).all()
+    cum = torch.cumsum(q, 0)
+    assert ((cum[got] - q[got] - 1e-5 <= uniform) & (uniform <= cum[got] + 1e-5)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sample_applies_penalties_and_the_ban_to_a_copy_of_the_row(ops, dtype):
+    """Penalties (repetition over prompt and output, frequency and presence over the output, ids
+    repeated and out of range) and a min_tokens ban, as the sampler's torch path applies them, float
+    op for float op: a greedy row takes exactly the argmax of the penalised logits, sampled rows
+    invert the penalised distribution, rows without penalties beside them are untouched, and the
+    logits handed in are left as they were."""
+    cpu, _ = ops
+    vocab, n = 49157, 512
+    g = torch.Generator().manual_seed(3)
+    row = (torch.randn(vocab, generator=g) * 2).to(dtype)
+    prompt = torch.randint(0, vocab, (300,), generator=g).tolist() + [5, 5, -1, vocab + 3]
+    output = torch.randint(0, vocab, (60,), generator=g).tolist() + [int(row.float().argmax())] * 3 + [7, 7, 7, 7]
+    banned = [int(row.float().topk(2).indices[1]), 11, vocab + 1]
+    rep, freq, pres = 1.3, 0.4, 0.25
+    ref = row.float().clone()  # the torch path's arithmetic (engine_service/sampler.py _apply_penalties)
+    seen = torch.zeros(vocab, dtype=torch.bool)
+    seen[[t for t in prompt + output if 0 <= t < vocab]] = True
+    ref = torch.where(seen, torch.where(ref > 0, ref / rep, ref * rep), ref)
+    counts = torch.bincount(torch.tensor(output), minlength=vocab).float()
+    ref = ref - freq * counts - pres * (counts > 0)
+    ref[[t for t in banned if t < vocab]] = float("-inf")
+
+    def flat(lists):
+        starts = torch.tensor([0] + [len(x) for x in lists]).cumsum(0)
+        return torch.tensor([t for x in lists for t in x], dtype=torch.long), starts
+
+    rows = n + 2  # n sampled, one greedy, one without penalties
+    logits = row.unsqueeze(0).expand(rows, -1)
+    before = row.clone()
+    penalties = torch.tensor([[rep, freq, pres]] * (n + 1) + [[1.0, 0.0, 0.0]])
+    temperature = torch.full((rows,), 0.8)
+    temperature[n] = 0.0
+    uniform = torch.cat([(torch.arange(n, dtype=torch.float64) + 0.5) / n, torch.zeros(1, dtype=torch.float64),
+                         torch.tensor([0.999999], dtype=torch.float64)])
+    got = cpu.sample(logits, temperature, torch.zeros(rows, dtype=torch.long), torch.ones(rows), torch.zeros(rows),
+                     uniform, penalties, flat([prompt] * (n + 1) + [[]]), flat([output] * (n + 1) + [[]]),
+                     flat([banned] * (n + 1) + [[]]))
+    assert torch.equal(row, before)
+    assert got[n] == ref.argmax()
+    q = (ref.double() / 0.8).softmax(-1)
+    cum = torch.cumsum(q, 0)
+    tokens = got[:n]
+    assert (q[tokens] > 0).all()
+    assert ((cum[tokens] - q[tokens] - 1e-5 <= uniform[:n]) & (uniform[:n] <= cum[tokens] + 1e-5)).all()
+    plain = (row.double() / 0.8).softmax(-1)  # the last row: no penalties, no ban
+    assert plain.cumsum(0)[got[-1]] >= 0.999999 - 1e-5
+
+
+def test_sample_rows_without_a_finite_maximum_take_the_argmax(ops):
+    cpu, _ = ops
+    logits = torch.randn(3, 40)
+    logits[0] = float("-inf")
+    logits[1, 5] = float("nan")
+    logits[2, 9] = float("inf")
+    got = cpu.sample(logits, torch.ones(3), torch.zeros(3, dtype=torch.long), torch.ones(3), torch.zeros(3),
+                     torch.full((3,), 0.5, dtype=torch.float64))
+    assert got.tolist() == [0, 5, 9]
+
 # ---- Pagoda's GEMMs: bf16 (CPUs with AVX512-BF16 or AMX-BF16), float32 (CPUs with AVX2 and FMA) --
 
 def test_gemms_run_where_the_cpu_has_their_instructions(ops):

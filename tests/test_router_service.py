@@ -145,14 +145,17 @@ def test_fcfs_among_equal_priorities_and_deadline_while_queued(make_router):
     ns = model_ns(rt)
     results = {}
     # The engine must stay busy past late's 0.3 s deadline on any host: one blocker of 250 tiny-model
-    # tokens once finished so early on a fast host that late was served instead of expiring. Two
-    # blockers of 1000 tokens (the model's positions allow 1024), the second queued ahead of the
-    # fifo requests, keep it busy ~1.2 s (0.6 s each measured on that host).
+    # tokens once finished so early on a fast host that late was served instead of expiring, and so
+    # did two of 1000 tokens (the model's positions allow 1024) once sampling ran in one C++ pass
+    # (~0.3 s each on a 2-core Zen 5, 0.6 s before). Four, the last three queued ahead of the fifo
+    # requests, keep it busy ~1 s after late's arrival there.
     blockers = [threading.Thread(target=timed, args=(client, build_request([3, 4], max_tokens=1000, ignore_eos=True),
-                                                     results, f"blocker-{i}")) for i in range(2)]
+                                                     results, f"blocker-{i}")) for i in range(4)]
     blockers[0].start()
     wait_for(lambda: rt.server.metrics.requests_running._value.get() >= 1, 30, "blocker running")
-    blockers[1].start()
+    for b in blockers[1:]:
+        b.start()
+        time.sleep(0.02)  # queued in this order
     time.sleep(0.05)
     threads = []
     for i in range(5):

@@ -46,6 +46,26 @@ def _seed_global_rng():
     torch.manual_seed(0)
 
 
+# Every test runs on the sampler's torch path and on the C++ kernel the engine takes on CPU
+# (``CpuLayerOps.sample``: filters by selection, one uniform a row), which must obey the same rules.
+KERNEL: dict = {}
+
+
+def new_sampler(vocab_size: int, eos_token_ids: set[int]) -> Sampler:
+    return Sampler(vocab_size, eos_token_ids, **KERNEL)
+
+
+@pytest.fixture(autouse=True, params=["torch", "cpu"])
+def sampler_path(request):
+    if request.param == "cpu":
+        from pagoda_kernels.layer_ops import CpuLayerOps
+
+        ops = CpuLayerOps()
+        KERNEL.update(argmax=ops.argmax, sample=ops.sample)
+    yield request.param
+    KERNEL.clear()
+
+
 # ---------------------------------------------------------------- greedy
 
 
@@ -53,7 +73,7 @@ def test_greedy_is_argmax_and_ignores_padded_columns():
     vocab, width = 50, 64
     logits = torch.randn(8, width)
     logits[:, vocab:] = 100.0  # padding columns must never win
-    sampler = Sampler(vocab, {EOS})
+    sampler = new_sampler(vocab, {EOS})
     out = sampler(logits, make_batch([SamplingParams(temperature=0.0)] * 8))
     assert out.sampled_token_ids.dtype == torch.int64
     assert torch.equal(out.sampled_token_ids, logits[:, :vocab].argmax(-1))
@@ -67,7 +87,7 @@ def test_greedy_on_bf16_logits_takes_the_first_of_tied_maxima():
     top = logits.max()
     logits[:, [7, 150, 299]] = top  # three-way tie for the maximum in every row
     logits[5, 3] = top  # an earlier one in row 5
-    out = Sampler(300, {EOS})(logits, make_batch([SamplingParams(temperature=0.0)] * 64))
+    out = new_sampler(300, {EOS})(logits, make_batch([SamplingParams(temperature=0.0)] * 64))
     expected = torch.full((64,), 7, dtype=torch.int64)
     expected[5] = 3
     assert torch.equal(out.sampled_token_ids, expected)
@@ -75,8 +95,8 @@ def test_greedy_on_bf16_logits_takes_the_first_of_tied_maxima():
 
 
 def test_greedy_fast_path_does_no_other_work(monkeypatch):
-    sampler = Sampler(32, {EOS})
-    for name in ("_apply_penalties", "_mask_stop_tokens", "_sample_random"):
+    sampler = new_sampler(32, {EOS})
+    for name in ("_apply_penalties", "_mask_stop_tokens", "_sample_random", "_sample_rows"):
         monkeypatch.setattr(Sampler, name, lambda *a, **k: pytest.fail("fast path did extra work"))
     monkeypatch.setattr(torch.Tensor, "log_softmax", lambda *a, **k: pytest.fail("computed logprobs"))
     logits = torch.randn(4, 32)
@@ -86,7 +106,7 @@ def test_greedy_fast_path_does_no_other_work(monkeypatch):
 
 def test_greedy_fast_path_equals_general_path():
     vocab = 40
-    sampler = Sampler(vocab, {EOS})
+    sampler = new_sampler(vocab, {EOS})
     logits = torch.randn(6, 48)
     fast = sampler(logits, make_batch([SamplingParams(temperature=0.0)] * 6)).sampled_token_ids
     # logprobs, a spent min_tokens and a random row all force the general path.
@@ -104,7 +124,7 @@ def test_greedy_fast_path_equals_general_path():
 def _seeded_run(seed: int, others: list[SamplingParams], row: int, steps: int = 12) -> list[int]:
     """Tokens of a seeded row over `steps` steps, sitting at `row` among `others`."""
     vocab = 100
-    sampler = Sampler(vocab, {EOS})
+    sampler = new_sampler(vocab, {EOS})
     base = torch.randn(steps, vocab, generator=torch.Generator().manual_seed(7))
     target = SamplingParams(temperature=1.3, top_p=0.95, seed=seed)
     params = others[:row] + [target] + others[row:]
@@ -140,7 +160,7 @@ def test_different_seeds_give_different_tokens():
 def test_seeded_first_tokens_follow_the_distribution():
     vocab, n_seeds = 6, 3000
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, 0.2])
-    sampler = Sampler(vocab, {EOS})
+    sampler = new_sampler(vocab, {EOS})
     params = [SamplingParams(seed=s) for s in range(n_seeds)]
     out = sampler(logits.expand(n_seeds, -1), make_batch(params))
     counts = torch.bincount(out.sampled_token_ids, minlength=vocab)
@@ -183,7 +203,7 @@ def test_filters_never_sample_outside_allowed_set(data, vocab, params):
     # Rows with different params interleaved in one batch, so per-row parameters must line up.
     draws = 48
     batch_params = [params[i % len(params)] for i in range(draws * len(params))]
-    out = Sampler(vocab, {EOS})(logits.expand(len(batch_params), -1), make_batch(batch_params))
+    out = new_sampler(vocab, {EOS})(logits.expand(len(batch_params), -1), make_batch(batch_params))
     for j, p in enumerate(params):
         tokens = out.sampled_token_ids[j :: len(params)]
         allowed = _allowed(logits, p)
@@ -208,7 +228,7 @@ def test_filters_keep_several_tokens_at_their_renormalised_odds(params, kept):
     probs = torch.tensor([0.4, 0.3, 0.2, 0.05, 0.03, 0.02])
     # Every other row is a neighbour with a different top_k, so per-row k must be honoured.
     batch = make_batch([params, SamplingParams(top_k=5)] * 6000)
-    tokens = Sampler(6, {EOS})(probs.log().expand(12000, -1), batch).sampled_token_ids[::2]
+    tokens = new_sampler(6, {EOS})(probs.log().expand(12000, -1), batch).sampled_token_ids[::2]
     counts = torch.bincount(tokens, minlength=6)
     expected = (probs.log() / params.temperature).softmax(-1)
     expected[kept:] = 0
@@ -219,7 +239,7 @@ def test_filters_keep_several_tokens_at_their_renormalised_odds(params, kept):
 def test_tiny_top_p_keeps_the_top_token():
     logits = torch.zeros(4, 1000)
     logits[:, 17] = 1e-3  # nearly uniform: float32 cumsum may end below 1 - top_p
-    out = Sampler(1000, {EOS})(logits, make_batch([SamplingParams(top_p=1e-9)] * 4))
+    out = new_sampler(1000, {EOS})(logits, make_batch([SamplingParams(top_p=1e-9)] * 4))
     assert out.sampled_token_ids.tolist() == [17] * 4
 
 
@@ -233,7 +253,7 @@ def test_all_but_one_token_masked_samples_it_without_nan():
         SamplingParams(seed=3),
         SamplingParams(temperature=2.0, repetition_penalty=1.5, frequency_penalty=1.0),
     ]
-    out = Sampler(10, {EOS})(logits, make_batch(params, outputs=[[7, 7]] * 5))
+    out = new_sampler(10, {EOS})(logits, make_batch(params, outputs=[[7, 7]] * 5))
     assert out.sampled_token_ids.tolist() == [7] * 5
     assert out.sampled_logprobs[0] == 0.0
 
@@ -244,7 +264,7 @@ def test_all_but_one_token_masked_samples_it_without_nan():
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.5])
 def test_temperature_frequencies_match_softmax(temperature):
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
-    tokens = sample_many(Sampler(8, {EOS}), logits, SamplingParams(temperature=temperature), 20000)
+    tokens = sample_many(new_sampler(8, {EOS}), logits, SamplingParams(temperature=temperature), 20000)
     counts = torch.bincount(tokens, minlength=8)
     assert chi_square(counts, (logits / temperature).softmax(-1)) < 24.3  # df=7, p=0.001
 
@@ -253,7 +273,7 @@ def test_temperature_does_not_modify_input_logits():
     logits = torch.randn(3, 16)
     before = logits.clone()
     params = [SamplingParams(temperature=0.5, top_k=3, top_p=0.5, repetition_penalty=2.0, min_tokens=2)] * 3
-    Sampler(16, {EOS})(logits, make_batch(params, prompts=[[1, 2, 3]] * 3))
+    new_sampler(16, {EOS})(logits, make_batch(params, prompts=[[1, 2, 3]] * 3))
     assert torch.equal(logits, before)
 
 
@@ -293,7 +313,7 @@ penalty_params = st.builds(
 )
 def test_penalties_match_reference(rows):
     vocab = 12
-    sampler = Sampler(vocab, {EOS})
+    sampler = new_sampler(vocab, {EOS})
     logits = torch.tensor([r[1] for r in rows], dtype=torch.float32)
     batch = make_batch([r[0] for r in rows], prompts=[r[2] for r in rows], outputs=[r[3] for r in rows])
     expected = torch.stack(
@@ -312,7 +332,7 @@ def test_penalties_match_reference(rows):
 
 
 def test_repetition_penalty_counts_prompt_and_frequency_only_output():
-    sampler = Sampler(6, {EOS})
+    sampler = new_sampler(6, {EOS})
     logits = torch.tensor([[2.0, -2.0, 2.0, 2.0, -2.0, 2.0]])
     p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
     batch = make_batch([p], prompts=[[0, 1]], outputs=[[2, 2, 4]])
@@ -324,7 +344,7 @@ def test_repetition_penalty_counts_prompt_and_frequency_only_output():
 
 def test_min_tokens_blocks_eos_and_stop_ids_until_reached():
     vocab = 10
-    sampler = Sampler(vocab, {EOS, 99})  # 99: beyond the vocabulary, must be ignored
+    sampler = new_sampler(vocab, {EOS, 99})  # 99: beyond the vocabulary, must be ignored
     logits = torch.zeros(vocab)
     logits[[EOS, 4, 6]] = 30.0  # EOS, a stop_token_id and an engine-added stop id dominate
     p = SamplingParams(min_tokens=3, stop_token_ids=[4], ignore_eos=True)
@@ -342,7 +362,7 @@ def test_min_tokens_only_affects_its_own_row():
     logits = torch.zeros(2, 8)
     logits[:, EOS] = 5.0
     params = [SamplingParams(temperature=0.0, min_tokens=2), SamplingParams(temperature=0.0)]
-    out = Sampler(8, {EOS})(logits, make_batch(params))
+    out = new_sampler(8, {EOS})(logits, make_batch(params))
     assert out.sampled_token_ids[0] != EOS and out.sampled_token_ids[1] == EOS
 
 
@@ -359,7 +379,7 @@ def test_logprobs_are_of_raw_logits():
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=2.0, frequency_penalty=1.0, min_tokens=3),
     ]
-    out = Sampler(vocab, {EOS})(logits, make_batch(params, outputs=[[0, 2, 2]] * 5))
+    out = new_sampler(vocab, {EOS})(logits, make_batch(params, outputs=[[0, 2, 2]] * 5))
     raw = logits[:, :vocab].log_softmax(-1)
     tokens = out.sampled_token_ids
     assert out.sampled_logprobs.dtype == torch.float32
@@ -372,12 +392,12 @@ def test_logprobs_are_of_raw_logits():
 
 def test_logprobs_zero_gives_only_the_sampled_logprob():
     logits = torch.randn(2, 16)
-    out = Sampler(16, {EOS})(logits, make_batch([SamplingParams(temperature=0.0, logprobs=0)] * 2))
+    out = new_sampler(16, {EOS})(logits, make_batch([SamplingParams(temperature=0.0, logprobs=0)] * 2))
     assert out.topk_token_ids.shape == (2, 0) and out.topk_logprobs.shape == (2, 0)
     expected = logits.log_softmax(-1).max(-1).values
     torch.testing.assert_close(out.sampled_logprobs, expected)
 
 
 def test_no_logprobs_asked_gives_none_on_the_random_path():
-    out = Sampler(16, {EOS})(torch.randn(2, 16), make_batch([SamplingParams(top_k=2)] * 2))
+    out = new_sampler(16, {EOS})(torch.randn(2, 16), make_batch([SamplingParams(top_k=2)] * 2))
     assert out.sampled_logprobs is None and out.topk_token_ids is None and out.topk_logprobs is None

@@ -740,6 +740,357 @@ void argmax(const at::Tensor& x, at::Tensor& out) {
   }
 }
 
+// ---- Random sampling: one pass over each row's logits, no sort and no noise per token ------------
+// out[r] for row r of x [N, V] (row stride free), after the row's penalties and min_tokens ban
+// (penalise_row, on a float copy): temperature[r] <= 0, the argmax (argmax_row); else one draw from softmax(x / temperature) restricted, in this order, to the tokens whose
+// probability is >= min_p[r] x the largest one's (0: all), to the top_k[r] largest (0: all; ties at
+// the k-th kept) and to the smallest set of the largest whose mass is >= top_p[r] of what is left
+// (1: all; ties at its edge kept): the sampler's filters, in its order. The draw inverts the kept
+// tokens' cumulative mass (in index order) at uniform[r] x their total, so a row's token depends on
+// its logits and its uniform alone. The torch path (engine_service/sampler.py) sorts the vocabulary
+// for top_p and draws an exponential per token: 0.22-0.78 s for 256 rows of 49152 here, against
+// a few ms (bench/RESULTS.md).
+constexpr int64_t kDrawBlock = 256;  // tokens per partial sum of the draw's search
+
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+#if PAGODA_EW_AVX512
+extern "C" __m512 Sleef_expf16_u10(__m512);  // declared again: silu_exact's comes later
+#elif PAGODA_EW_AVX2
+extern "C" __m256 Sleef_expf8_u10(__m256);
+#endif
+
+// e[i] = exp((x[i] - m) * inv_t) (<= 1: m is the row's maximum), with torch's vectorised exp.
+template <typename T>
+void scaled_exp_row(const T* x, int64_t n, float m, float inv_t, float* e) {
+  int64_t i = 0;
+#if PAGODA_EW_AVX512
+  const __m512 vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(inv_t);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(e + i, Sleef_expf16_u10(_mm512_mul_ps(_mm512_sub_ps(load16(x + i), vm), vs)));
+#elif PAGODA_EW_AVX2
+  const __m256 vm = _mm256_set1_ps(m), vs = _mm256_set1_ps(inv_t);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(e + i, Sleef_expf8_u10(_mm256_mul_ps(_mm256_sub_ps(load8(x + i), vm), vs)));
+#endif
+  for (; i < n; ++i) e[i] = std::exp((load(x[i]) - m) * inv_t);
+}
+
+// Count and sum of the elements of e[0..n) that are >= t.
+std::pair<int64_t, double> count_sum_at_least(const float* e, int64_t n, float t) {
+  int64_t i = 0, count = 0;
+  double sum = 0.0;
+#if PAGODA_EW_AVX512
+  const __m512 vt = _mm512_set1_ps(t);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(e + i);
+    const __mmask16 k = _mm512_cmp_ps_mask(v, vt, _CMP_GE_OQ);
+    acc = _mm512_mask_add_ps(acc, k, acc, v);
+    count += __builtin_popcount(k);
+    if ((i & 1023) == 1008) {  // a double every 1024 elements: the float lanes stay exact enough
+      sum += _mm512_reduce_add_ps(acc);
+      acc = _mm512_setzero_ps();
+    }
+  }
+  sum += _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i)
+    if (e[i] >= t) {
+      ++count;
+      sum += e[i];
+    }
+  return {count, sum};
+}
+
+// The elements of e[0..n) that are >= lo, in order, into cand; returns how many.
+int64_t gather_at_least(const float* e, int64_t n, float lo, std::vector<float>& cand) {
+  cand.resize(static_cast<size_t>(n) + 16);
+  float* out = cand.data();
+  int64_t i = 0, k = 0;
+#if PAGODA_EW_AVX512
+  const __m512 vlo = _mm512_set1_ps(lo);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(e + i);
+    const __mmask16 m = _mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ);
+    if (!m) continue;
+    // compress in a register, then a plain store (a compressing store to memory is slow on Zen 4)
+    _mm512_storeu_ps(out + k, _mm512_maskz_compress_ps(m, v));
+    k += __builtin_popcount(m);
+  }
+#endif
+  for (; i < n; ++i)
+    if (e[i] >= lo) out[k++] = e[i];
+  return k;
+}
+
+// The largest value v among cand[0..n) such that the elements >= v weigh at least `need`: counted
+// (by_mass false) or summed. The lowest element where they all weigh less (rounding: keep them
+// all). A radix selection on the floats' bits, which order as the values do (0 <= cand <= 1, so
+// bit 30 is 0): three levels of 10 bits, each over the bucket the one before chose (compacted in
+// place in cand).
+float select_threshold(float* cand, int64_t n, bool by_mass, double need) {
+  constexpr int kBuckets = 1024;
+  double w[kBuckets];
+  uint32_t prefix = 0;
+  bool lowest = false;  // take each level's lowest non-empty bucket: the whole bucket is kept
+  for (int level = 0; level < 3; ++level) {
+    const int shift = 20 - 10 * level;
+    std::fill(w, w + kBuckets, 0.0);
+    for (int64_t i = 0; i < n; ++i)
+      w[(float_bits(cand[i]) >> shift) & (kBuckets - 1)] += by_mass ? static_cast<double>(cand[i]) : 1.0;
+    double above = 0.0;
+    int b = kBuckets - 1;
+    if (!lowest)
+      for (; b >= 0; --b) {
+        if (w[b] > 0.0 && above + w[b] >= need) break;
+        above += w[b];
+      }
+    if (b < 0 || lowest) {
+      // Rounding left these elements a hair below what their sums promised: keep all of this level
+      // (its lowest element is the threshold).
+      lowest = true;
+      for (b = 0; b < kBuckets - 1 && w[b] == 0.0; ++b) {
+      }
+    }
+    need -= above;
+    prefix |= static_cast<uint32_t>(b) << shift;
+    if (level < 2) {  // the chosen bucket's elements, for the next level
+      const uint32_t hi = prefix >> shift;
+      int64_t k = 0;
+      for (int64_t i = 0; i < n; ++i)
+        if ((float_bits(cand[i]) >> shift) == hi) cand[k++] = cand[i];
+      n = k;
+    }
+  }
+  return bits_float(prefix);
+}
+
+// The threshold of the sampler's filters on one row's e (exp((x - max) / T), so the maximum's is 1):
+// the kept tokens are those with e >= it. min_p: e >= min_p. top_k: the k-th largest e of those
+// (ties kept). top_p: of those, the largest v such that the ones >= v hold >= top_p of their mass.
+// Each selection runs on the few elements that can hold its answer: for top_k, those above the
+// first of 2^-8, 2^-20, 2^-40 that at least k pass; for top_p, those >= (1 - top_p) x the mean of the elements it starts
+// from (the ones below cannot add up to more than the 1 - top_p of the mass it may drop).
+float filter_threshold(const float* e, int64_t n, int64_t top_k, float top_p, float min_p, std::vector<float>& cand) {
+  float t = min_p > 0.f ? min_p : 0.f;  // e = p / p_max
+  if (top_k > 0 && top_k < n) {
+    float lo = t;
+    for (const float g : {0x1p-8f, 0x1p-20f, 0x1p-40f})
+      if (g > t && count_sum_at_least(e, n, g).first >= top_k) {
+        lo = g;
+        break;
+      }
+    const int64_t m = gather_at_least(e, n, lo, cand);
+    if (m > top_k) t = select_threshold(cand.data(), m, false, static_cast<double>(top_k));
+    else t = lo;  // at most k tokens pass the earlier filters: all of them
+  }
+  if (top_p < 1.f) {
+    const auto [count, mass] = count_sum_at_least(e, n, t);
+    const float lo = std::max(t, static_cast<float>((1.0 - top_p) * mass / static_cast<double>(count)) * 0.99f);
+    const int64_t m = gather_at_least(e, n, lo, cand);
+    t = std::max(t, select_threshold(cand.data(), m, true, static_cast<double>(top_p) * mass));
+  }
+  return t;
+}
+
+// One row's token (see sample_rows).
+template <typename T>
+int64_t sample_row(const T* x, int64_t n, float temperature, int64_t top_k, float top_p, float min_p, double u,
+                   std::vector<float>& e, std::vector<float>& cand, std::vector<float>& block) {
+  const int64_t j = argmax_row(x, n);
+  const float m = load(x[j]);
+  if (!(temperature > 0.f) || !std::isfinite(m)) return j;  // greedy; or a NaN / infinite maximum
+  e.resize(static_cast<size_t>(n));
+  scaled_exp_row(x, n, m, 1.f / temperature, e.data());
+  const float t = filter_threshold(e.data(), n, top_k, top_p, min_p, cand);
+  // The kept tokens' mass a block of kDrawBlock tokens, then the block and the token where the
+  // cumulative mass passes u x the total.
+  const int64_t nb = (n + kDrawBlock - 1) / kDrawBlock;
+  block.resize(static_cast<size_t>(nb));
+  double total = 0.0;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t i0 = b * kDrawBlock, i1 = std::min(n, i0 + kDrawBlock);
+    float lanes[16] = {};
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16)
+      for (int l = 0; l < 16; ++l) lanes[l] += e[i + l] >= t ? e[i + l] : 0.f;
+    float s = 0.f;
+    for (int l = 0; l < 16; ++l) s += lanes[l];
+    for (; i < i1; ++i) s += e[i] >= t ? e[i] : 0.f;
+    block[b] = s;
+    total += s;
+  }
+  const double target = u * total;
+  double acc = 0.0;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (block[b] <= 0.f || acc + block[b] <= target) {
+      acc += block[b];
+      continue;
+    }
+    const int64_t i0 = b * kDrawBlock, i1 = std::min(n, i0 + kDrawBlock);
+    int64_t last = -1;
+    for (int64_t i = i0; i < i1; ++i) {
+      if (!(e[i] >= t) || e[i] <= 0.f) continue;
+      acc += e[i];
+      last = i;
+      if (acc > target) return i;
+    }
+    return last;  // the float block sum promised a hair more than its tokens add up to in double
+  }
+  // Unreachable (total > 0: the maximum's e is 1 and passes every filter), but for rounding: the
+  // last kept token.
+  for (int64_t i = n - 1; i >= 0; --i)
+    if (e[i] >= t && e[i] > 0.f) return i;
+  return j;
+}
+
+// A row's token ids for the penalties and the min_tokens ban: ids[starts[r] .. starts[r + 1]).
+struct RowIds {
+  const int64_t* ids = nullptr;
+  const int64_t* starts = nullptr;
+  int64_t size(int64_t r) const { return starts ? starts[r + 1] - starts[r] : 0; }
+  const int64_t* row(int64_t r) const { return ids + starts[r]; }
+};
+
+// Scratch of one thread: the penalties' per-token marks, all zero between rows.
+struct PenaltyScratch {
+  std::vector<int32_t> count;  // output occurrences
+  std::vector<uint8_t> seen;   // in the prompt or the output
+  std::vector<int64_t> tokens; // the ones marked
+};
+
+// x'[t] for a penalised row (the sampler's torch path's arithmetic, each op rounded to float as
+// there): the repetition penalty on every token of the prompt or the output (x / r above 0, x * r
+// otherwise), then x - frequency x (its output count) - presence x (1 if it is in the output), then
+// -inf on the banned ids (a row short of its min_tokens: EOS and the stop ids). Ids outside
+// [0, n) are ignored, as the torch path drops them.
+void penalise_row(float* x, int64_t n, const float* pen, const int64_t* prompt, int64_t np, const int64_t* output,
+                  int64_t no, const int64_t* banned, int64_t nban, PenaltyScratch& ps) {
+  const float rep = pen[0], freq = pen[1], pres = pen[2];
+  if (rep != 1.f || freq != 0.f || pres != 0.f) {
+    ps.count.resize(static_cast<size_t>(n));
+    ps.seen.resize(static_cast<size_t>(n));
+    ps.tokens.clear();
+    auto mark = [&](int64_t t) {
+      if (!ps.seen[t]) {
+        ps.seen[t] = 1;
+        ps.tokens.push_back(t);
+      }
+    };
+    if (rep != 1.f)
+      for (int64_t i = 0; i < np; ++i)
+        if (prompt[i] >= 0 && prompt[i] < n) mark(prompt[i]);
+    for (int64_t i = 0; i < no; ++i)
+      if (output[i] >= 0 && output[i] < n) {
+        mark(output[i]);
+        ++ps.count[output[i]];
+      }
+    for (const int64_t t : ps.tokens) {
+      float v = x[t];
+      if (rep != 1.f) v = v > 0.f ? v / rep : v * rep;
+      const int32_t c = ps.count[t];
+      v = (v - freq * static_cast<float>(c)) - pres * (c > 0 ? 1.f : 0.f);
+      x[t] = v;
+      ps.seen[t] = 0;
+      ps.count[t] = 0;
+    }
+  }
+  for (int64_t i = 0; i < nban; ++i)
+    if (banned[i] >= 0 && banned[i] < n) x[banned[i]] = -INFINITY;
+}
+
+void sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+                 const at::Tensor& min_p, const at::Tensor& uniform, const std::optional<at::Tensor>& penalties,
+                 const std::optional<at::Tensor>& prompt_ids, const std::optional<at::Tensor>& prompt_starts,
+                 const std::optional<at::Tensor>& output_ids, const std::optional<at::Tensor>& output_starts,
+                 const std::optional<at::Tensor>& banned_ids, const std::optional<at::Tensor>& banned_starts,
+                 at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0, "sample_rows: x must be [N, V] with contiguous rows, V > 0");
+  const int64_t n = x.size(0), v = x.size(1), stride = x.stride(0);
+  auto check = [](const at::Tensor& t, int64_t size, at::ScalarType dtype, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == size && t.scalar_type() == dtype && t.is_contiguous(), "sample_rows: ",
+                name, " must be a contiguous ", c10::toString(dtype), " [", size, "]");
+  };
+  check(temperature, n, at::kFloat, "temperature");
+  check(top_k, n, at::kLong, "top_k");
+  check(top_p, n, at::kFloat, "top_p");
+  check(min_p, n, at::kFloat, "min_p");
+  check(uniform, n, at::kDouble, "uniform");
+  check(out, n, at::kLong, "out");
+  const float* pen = nullptr;
+  if (penalties) {
+    TORCH_CHECK(penalties->dim() == 2 && penalties->size(0) == n && penalties->size(1) == 3 &&
+                    penalties->scalar_type() == at::kFloat && penalties->is_contiguous(),
+                "sample_rows: penalties must be a contiguous float32 [N, 3] (repetition, frequency, presence)");
+    pen = penalties->data_ptr<float>();
+  }
+  auto ids_of = [&](const std::optional<at::Tensor>& ids, const std::optional<at::Tensor>& starts, const char* name) {
+    RowIds r;
+    TORCH_CHECK(ids.has_value() == starts.has_value(), "sample_rows: ", name, " ids and starts go together");
+    if (!ids) return r;
+    check(*starts, n + 1, at::kLong, name);
+    TORCH_CHECK(ids->dim() == 1 && ids->scalar_type() == at::kLong && ids->is_contiguous(), "sample_rows: ", name,
+                " ids must be a contiguous int64 [M]");
+    r.starts = starts->data_ptr<int64_t>();
+    TORCH_CHECK(r.starts[0] == 0 && r.starts[n] == ids->size(0), "sample_rows: ", name, " starts must run from 0 to ",
+                ids->size(0));
+    for (int64_t i = 0; i < n; ++i) TORCH_CHECK(r.starts[i] <= r.starts[i + 1], "sample_rows: ", name, " starts must not decrease");
+    r.ids = ids->data_ptr<int64_t>();
+    return r;
+  };
+  const RowIds prompt = ids_of(prompt_ids, prompt_starts, "prompt"), output = ids_of(output_ids, output_starts, "output"),
+               banned = ids_of(banned_ids, banned_starts, "banned");
+  TORCH_CHECK(pen || (!prompt.starts && !output.starts), "sample_rows: prompt / output ids need penalties");
+  const float* temp = temperature.data_ptr<float>();
+  const int64_t* k = top_k.data_ptr<int64_t>();
+  const float* p = top_p.data_ptr<float>();
+  const float* mp = min_p.data_ptr<float>();
+  const double* u = uniform.data_ptr<double>();
+  int64_t* o = out.data_ptr<int64_t>();
+  auto run = [&](const auto* base) {
+#pragma omp parallel num_threads(threads_for(n * v))
+    {
+      std::vector<float> e, cand, block, row;
+      PenaltyScratch ps;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t r = 0; r < n; ++r) {
+        const auto* xr = base + r * stride;
+        const bool penalised = pen && (pen[3 * r] != 1.f || pen[3 * r + 1] != 0.f || pen[3 * r + 2] != 0.f);
+        if (penalised || banned.size(r)) {  // on a float copy: the caller's logits stay as they are
+          row.resize(static_cast<size_t>(v));
+          for (int64_t i = 0; i < v; ++i) row[i] = load(xr[i]);
+          const float none[3] = {1.f, 0.f, 0.f};
+          penalise_row(row.data(), v, penalised ? pen + 3 * r : none, prompt.size(r) ? prompt.row(r) : nullptr,
+                       prompt.size(r), output.size(r) ? output.row(r) : nullptr, output.size(r),
+                       banned.size(r) ? banned.row(r) : nullptr, banned.size(r), ps);
+          o[r] = sample_row(row.data(), v, temp[r], k[r], p[r], mp[r], u[r], e, cand, block);
+        } else {
+          o[r] = sample_row(xr, v, temp[r], k[r], p[r], mp[r], u[r], e, cand, block);
+        }
+      }
+    }
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      run(x.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      run(static_cast<const bf16_t*>(x.data_ptr()));
+      break;
+    default:
+      TORCH_CHECK(false, "sample_rows: unsupported dtype ", x.scalar_type());
+  }
+}
 
 // ---- GEMMs of our own: bf16 on AMX tiles or AVX512-BF16 dot products, float32 on FMAs ------------
 // y = x @ W^T for x [M, K] and a weight packed once by gemm_pack_weight, 64 output columns per block:
@@ -1612,6 +1963,10 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
   m.def("argmax(Tensor x, Tensor(a!) out) -> ()");
   m.impl("argmax", c10::DispatchKey::CPU, TORCH_FN(argmax));
+  m.def("sample_rows(Tensor x, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor uniform, "
+        "Tensor? penalties, Tensor? prompt_ids, Tensor? prompt_starts, Tensor? output_ids, Tensor? output_starts, "
+        "Tensor? banned_ids, Tensor? banned_starts, Tensor(a!) out) -> ()");
+  m.impl("sample_rows", c10::DispatchKey::CPU, TORCH_FN(sample_rows));
   m.def("gemm_supported() -> bool", TORCH_FN(gemm_supported));
   m.def("gemm_uses_amx() -> bool", TORCH_FN(gemm_uses_amx));
   m.def("gemm_f32_supported() -> bool", TORCH_FN(gemm_f32_supported));
