@@ -26,6 +26,10 @@ slow spell of the host hits both engines alike; each row of the table then gives
 elapsed time (output tok/s = its tokens / that) and median TTFTs, with every run's output tok/s
 beside them. Use an odd count: the host's noise is ±5-15% from one run to the next.
 
+``--temperature T [--top-p P] [--top-k K]`` samples instead of greedy decoding, Pagoda and vLLM
+alike (each with its own random numbers; ``ignore_eos`` keeps the workload's output lengths): what
+most traffic asks for, and where an engine's sampler shows. The targets are judged on greedy W only.
+
 ``--max-num-batched-tokens N`` gives Pagoda and vLLM both that step budget. Without it each takes
 its own default, 2048 tokens for both (vLLM's ``EngineArgs`` default, which this command's
 ``LLMEngine`` gets; vLLM's ``LLM`` class takes 4096 on CPU): bench/RESULTS.md, forty-second session,
@@ -239,6 +243,8 @@ def engine_command(engine: str, args) -> tuple[str, list[str], dict]:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if engine in ("pagoda", "vllm") and args.num_speculative_tokens:
         cmd += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    if engine in ("pagoda", "vllm") and args.temperature > 0:
+        cmd += ["--temperature", str(args.temperature), "--top-p", str(args.top_p), "--top-k", str(args.top_k)]
     return py, cmd, env
 
 
@@ -280,14 +286,16 @@ def target_lines(pagoda: dict, results: list[dict], dtype: str) -> list[str]:
 
 
 def closing_lines(pagoda: dict | None, results: list[dict], dtype: str, digests: tuple[str, str],
-                  speculative: bool) -> list[str]:
+                  speculative: bool, sampled: str | None = None) -> list[str]:
     """What the command ends with: the targets judged, unless Pagoda's sources changed between the
     digests taken at the start and at the end (its runs may then have loaded different code) or the
-    runs were speculative (not the issue's comparison)."""
+    runs were speculative or ``sampled`` (the sampling settings: not the issue's comparison)."""
     if digests[0] != digests[1]:
         return [f"!! Pagoda's sources changed while this command ran (sources {digests[0]} at the start, "
                 f"{digests[1]} at the end): its runs may have loaded different code, so no target is judged; "
                 "run it again on a tree left alone"]
+    if sampled:
+        return [f"sampled ({sampled}): the targets are on greedy W and are not judged here"]
     if pagoda is None or speculative:
         return []
     return target_lines(pagoda, results, dtype)
@@ -307,6 +315,11 @@ def main() -> int:
                          "step (0: off, the default and the like-for-like setting)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="Pagoda's and vLLM's step token budget (default: each engine's own)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="Pagoda and vLLM alike: sample at this temperature (0: greedy, the workload's own and the "
+                         "targets' setting; output lengths stay the workload's either way)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
+    ap.add_argument("--top-k", type=int, default=0, help="with --temperature (0: all tokens)")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--repeat", type=int, default=1, help="run the engine list this many times, round-robin")
     args = ap.parse_args()
@@ -383,13 +396,11 @@ def main() -> int:
           + "; ".join(f"{r['engine']} at {100 * bound / r['elapsed']:.0f}% of it" for r in results
                       if r["workload"] == args.workload))
     digest_end = source_digest()
-    if digest_end != digest:
-        print(f"!! Pagoda's sources changed while this command ran (sources {digest} at the start, {digest_end} "
-              "at the end): its runs may have loaded different code, so no target is judged; run it again on a "
-              "tree left alone")
-    elif pagoda and not args.num_speculative_tokens:
-        for line in target_lines(pagoda, results, args.dtype):
-            print(line)
+    sampled = (f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"
+               if args.temperature > 0 else None)
+    for line in closing_lines(pagoda, results, args.dtype, (digest, digest_end), bool(args.num_speculative_tokens),
+                              sampled):
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"dtype": args.dtype, "pagoda_sources": [digest, digest_end], "matmul_before": before,

@@ -57,14 +57,27 @@ def drive(engine, add, requests) -> dict:
             "ttft_mean": sum(ttft) / len(ttft)}
 
 
-def pagoda_adder(engine, detokenize: bool = True):
-    """``drive``'s ``add`` for a Pagoda engine: request r of the workload, greedy, ``ignore_eos``."""
+def sampling_fields(args) -> dict:
+    """The requests' sampling settings: greedy (the workload's own), or --temperature with
+    --top-p / --top-k (the same for Pagoda and vLLM; output lengths stay the workload's, by
+    ``ignore_eos``)."""
+    fields = {"temperature": getattr(args, "temperature", 0.0)}
+    if fields["temperature"] > 0:
+        fields.update(top_p=args.top_p, top_k=args.top_k)
+    return fields
+
+
+def pagoda_adder(engine, detokenize: bool = True, sampling: dict | None = None):
+    """``drive``'s ``add`` for a Pagoda engine: request r of the workload, ``ignore_eos``; greedy, or
+    ``sampling``'s fields (``sampling_fields``)."""
     from engine_service import SamplingParams
+
+    fields = sampling or {"temperature": 0.0}
 
     def add(r):
         engine.add_request(str(r["id"]), {"prompt_token_ids": r["prompt_token_ids"]},
-                           SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True,
-                                          detokenize=detokenize))
+                           SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, detokenize=detokenize,
+                                          **fields))
 
     return add
 
@@ -120,12 +133,14 @@ def run_pagoda(args, requests) -> dict:
     engine = llm.llm_engine
     if getattr(args, "python_layers", False):
         engine.runner.model.layer_stack = None  # bench/layer_stack_ab.py: the decoder layers from Python
+    if getattr(args, "torch_sampler", False):
+        engine.runner.sampler.sample = None  # the sampler's torch path (before the C++ sample_rows kernel)
     if getattr(args, "no_fused_argmax", False):
         # greedy steps compute the logits and take the sampler's argmax (before the LM head's argmax epilogue)
         engine.runner.model.greedy_tokens = lambda hidden, vocab_size: None
 
     warm_up_pagoda(engine, requests)
-    res = drive(engine, pagoda_adder(engine, args.detokenize), requests)
+    res = drive(engine, pagoda_adder(engine, args.detokenize, sampling_fields(args)), requests)
     ours = ", Pagoda's GEMMs" if engine.runner.bf16_gemm or engine.runner.f32_gemm else ""
     res["engine"] = f"pagoda (matmul {str(engine.runner.matmul_dtype).removeprefix('torch.')}{ours})"
     if args.num_speculative_tokens:
@@ -152,9 +167,11 @@ def run_vllm(args, requests) -> dict:
         model=args.model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=0,
         **opts))
 
+    fields = sampling_fields(args)
+
     def add(r):
         engine.add_request(str(r["id"]), TokensPrompt(prompt_token_ids=r["prompt_token_ids"]),
-                           SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
+                           SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, **fields))
 
     engine.add_request("warmup", TokensPrompt(prompt_token_ids=requests[0]["prompt_token_ids"]),
                        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -240,6 +257,10 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=0,
                     help="pagoda, vllm: speculative decoding by prompt lookup (n-grams of 1-3 tokens), this many "
                          "draft tokens a step (0: off)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="pagoda, vllm: sample at this temperature instead of greedy (0: greedy, the workload's own)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="pagoda, vllm: with --temperature")
+    ap.add_argument("--top-k", type=int, default=0, help="pagoda, vllm: with --temperature (0: all tokens)")
 
 
 def main() -> int:
@@ -252,6 +273,9 @@ def main() -> int:
     ap.add_argument("--no-fused-argmax", action="store_true",
                     help="pagoda: greedy steps write the logits and take their argmax apart, not inside the LM head's "
                          "GEMM (LlamaForCausalLM.greedy_tokens)")
+    ap.add_argument("--torch-sampler", action="store_true",
+                    help="pagoda: sampled rows take the sampler's torch path (a sort for top_p, an exponential a "
+                         "token), not the C++ kernel (CpuLayerOps.sample)")
     ap.add_argument("--no-detokenize", dest="detokenize", action="store_false",
                     help="pagoda: skip detokenization (vLLM detokenizes; the default keeps it on)")
     args = ap.parse_args()

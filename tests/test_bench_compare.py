@@ -99,6 +99,9 @@ def test_closing_lines_judge_no_target_when_the_sources_changed(compare):
     assert "abc" in changed[0] and "def" in changed[0] and "no target is judged" in changed[0]
     assert compare.closing_lines(pagoda, rows, "bfloat16", ("abc", "abc"), speculative=True) == []
     assert compare.closing_lines(None, rows[1:], "bfloat16", ("abc", "abc"), speculative=False) == []
+    sampled = compare.closing_lines(pagoda, rows, "bfloat16", ("abc", "abc"), speculative=False,
+                                    sampled="temperature 0.8, top_p 0.95, top_k 0")
+    assert len(sampled) == 1 and "not judged" in sampled[0] and "top_p 0.95" in sampled[0]
 
 
 def test_step_budget_goes_to_pagoda_and_vllm_only(compare, tmp_path, monkeypatch):
@@ -108,7 +111,8 @@ def test_step_budget_goes_to_pagoda_and_vllm_only(compare, tmp_path, monkeypatch
     monkeypatch.setattr(compare, "VLLM_VENV", venv)
     monkeypatch.setattr("engine_service.model_loader.resolve_model_dir", lambda name: "/model")  # no GGUF conversion
     args = compare.argparse.Namespace(dtype="bfloat16", workload="W", hf_workload="W-small", matmul_dtype=None,
-                                      num_speculative_tokens=0, max_num_batched_tokens=4096)
+                                      num_speculative_tokens=0, max_num_batched_tokens=4096, temperature=0.0,
+                                      top_p=1.0, top_k=0)
     for engine in ("pagoda", "vllm", "hf-single"):
         py, cmd, env = compare.engine_command(engine, args)
         budget = cmd[cmd.index("--max-num-batched-tokens") + 1] if "--max-num-batched-tokens" in cmd else None
@@ -117,3 +121,13 @@ def test_step_budget_goes_to_pagoda_and_vllm_only(compare, tmp_path, monkeypatch
             assert py == str(venv / "bin" / "python") and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
     args.max_num_batched_tokens = None
     assert "--max-num-batched-tokens" not in compare.engine_command("pagoda", args)[1]
+    assert "--temperature" not in compare.engine_command("pagoda", args)[1]  # greedy: the workload's own
+    # Sampling settings reach Pagoda and vLLM alike, and no baseline that cannot take them.
+    args.temperature, args.top_p, args.top_k = 0.8, 0.95, 40
+    for engine in ("pagoda", "vllm", "hf-single"):
+        cmd = compare.engine_command(engine, args)[1]
+        if engine == "hf-single":
+            assert "--temperature" not in cmd
+        else:
+            i = cmd.index("--temperature")
+            assert cmd[i:i + 6] == ["--temperature", "0.8", "--top-p", "0.95", "--top-k", "40"], (engine, cmd)
