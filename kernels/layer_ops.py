@@ -97,7 +97,7 @@ class CpuLayerOps(TorchLayerOps):
         # Our float32 GEMM (AVX-512 panels of 6 rows x 64 columns where the build targets AVX-512, else
         # AVX2 panels of 6 x 16) is as fast as oneDNN's or faster at the model's shapes: 2-core Zen 3
         # 1.0-1.2x a GEMM, W in float32 +3%; 2-core Zen 4 (AVX-512) 1.0-1.7x, W in float32 +7%;
-        # 2-core AMX Xeon 0.9-1.7x, W in float32 +4% (bench/RESULTS.md). Not yet measured on Zen 5:
+        # 2-core AMX Xeon 0.9-1.7x, W in float32 +4%; 2-core Zen 5 W in float32 +7.6% (bench/RESULTS.md).
         # EngineConfig.cpu_f32_gemm=False puts the GEMMs back on oneDNN.
         self.f32_gemm = bool(torch.ops.pagoda_cpu.gemm_f32_supported())
         self.f32_gemm_preferred = self.f32_gemm
