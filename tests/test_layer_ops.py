@@ -1,6 +1,8 @@
 """The fused C++ layer ops (residual add + RMSNorm, rotary, silu_and_mul) against the torch reference ops."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -311,6 +313,21 @@ def test_sample_top_k_tells_apart_probabilities_one_float_step_apart(ops):
         got = cpu.sample(row.unsqueeze(0).expand(n, -1), torch.ones(n), torch.full((n,), k), torch.ones(n),
                          torch.zeros(n), uniform)
         assert set(got.tolist()) == set(places[:k].tolist()), k
+
+
+def test_sample_top_k_where_exactly_k_tokens_pass_its_first_cut(ops):
+    """top_k gathers its candidates above the first of a few powers of two that at least k pass:
+    with exactly k there (every other token a hair below 2^-8 of the maximum's probability), the
+    k are kept and the rest are not."""
+    cpu, _ = ops
+    vocab, n, k = 4096, 256, 6
+    row = torch.full((vocab,), math.log(2.0 ** -8) - 1e-3)
+    places = torch.tensor([3, 700, 701, 2000, 3999, 4095])
+    row[places] = torch.tensor([0.0, -1.0, -2.0, -3.0, -4.0, -5.0])
+    uniform = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    got = cpu.sample(row.unsqueeze(0).expand(n, -1), torch.ones(n), torch.full((n,), k), torch.ones(n),
+                     torch.zeros(n), uniform)
+    assert set(got.tolist()) == set(places.tolist())
 
 
 def test_sample_flat_rows_take_every_radix_level(ops):

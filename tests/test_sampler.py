@@ -195,8 +195,10 @@ filter_params = st.builds(
 @FILTER_SETTINGS
 @given(data=st.data(), vocab=st.integers(2, 24), params=st.lists(filter_params, min_size=1, max_size=3))
 def test_filters_never_sample_outside_allowed_set(data, vocab, params):
+    # Values a float step or two apart, and signed zeros, too: what a filter's ties and edges are made of.
+    near = st.sampled_from([0.0, -0.0, 2.0 ** -24, -(2.0 ** -24), 1e-30, 4.5, 4.5 + 2.0 ** -21, 4.5 - 2.0 ** -21])
     values = data.draw(
-        st.lists(st.floats(-20, 20) | st.just(float("-inf")), min_size=vocab, max_size=vocab)
+        st.lists(st.floats(-20, 20) | st.just(float("-inf")) | near, min_size=vocab, max_size=vocab)
         .filter(lambda xs: any(x > float("-inf") for x in xs))
     )
     logits = torch.tensor(values, dtype=torch.float32)

@@ -785,19 +785,72 @@ void scaled_exp_row(const T* x, int64_t n, float m, float inv_t, float* e) {
   for (; i < n; ++i) e[i] = std::exp((load(x[i]) - m) * inv_t);
 }
 
-// Count and sum of the elements of e[0..n) that are >= t.
-std::pair<int64_t, double> count_sum_at_least(const float* e, int64_t n, float t) {
+// z[i] = x[i] / T, the torch path's temperature-scaled logits (a division, as `logits /
+// temperature`), -0 made +0: the values top_k and top_p rank, so that their ties are its ties.
+template <typename T>
+void scaled_logits_row(const T* x, int64_t n, float temperature, float* z) {
+  int64_t i = 0;
+#if PAGODA_EW_AVX512
+  const __m512 vt = _mm512_set1_ps(temperature), zero = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(z + i, _mm512_add_ps(_mm512_div_ps(load16(x + i), vt), zero));
+#endif
+  for (; i < n; ++i) z[i] = load(x[i]) / temperature + 0.f;
+}
+
+// A float's bits as an unsigned key that orders as the floats do (-inf lowest; no NaN here).
+inline uint32_t order_key(float f) {
+  const uint32_t u = float_bits(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+inline float key_float(uint32_t k) { return bits_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k); }
+
+// A row's candidates for a threshold: the ordering keys of their z and their mass e.
+struct Candidates {
+  std::vector<uint32_t> key;
+  std::vector<float> mass;
+};
+
+// The candidates among e[0..n): e >= lo and z >= zmin; returns how many.
+int64_t gather_candidates(const float* e, const float* z, int64_t n, float lo, float zmin, Candidates& c) {
+  c.key.resize(static_cast<size_t>(n) + 16);
+  c.mass.resize(static_cast<size_t>(n) + 16);
+  int64_t i = 0, k = 0;
+#if PAGODA_EW_AVX512
+  // Most tokens fail: the passing lanes compressed in registers (a compressing store to memory
+  // is slow on Zen 4), then keyed.
+  const __m512 vlo = _mm512_set1_ps(lo), vz = _mm512_set1_ps(zmin);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(e + i), zv = _mm512_loadu_ps(z + i);
+    const __mmask16 m = _mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(zv, vz, _CMP_GE_OQ);
+    if (!m) continue;
+    _mm512_storeu_ps(c.mass.data() + k, _mm512_maskz_compress_ps(m, v));
+    const __m512i u = _mm512_castps_si512(zv);  // order_key, 16 lanes
+    const __m512i key = _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), _mm512_set1_epi32(INT32_MIN)));
+    _mm512_storeu_si512(c.key.data() + k, _mm512_maskz_compress_epi32(m, key));
+    k += __builtin_popcount(m);
+  }
+#endif
+  for (; i < n; ++i)
+    if (e[i] >= lo && z[i] >= zmin) {
+      c.key[k] = order_key(z[i]);
+      c.mass[k++] = e[i];
+    }
+  return k;
+}
+
+// Count and mass of the elements with e >= lo and z >= zmin.
+std::pair<int64_t, double> count_mass(const float* e, const float* z, int64_t n, float lo, float zmin) {
   int64_t i = 0, count = 0;
   double sum = 0.0;
 #if PAGODA_EW_AVX512
-  const __m512 vt = _mm512_set1_ps(t);
+  const __m512 vlo = _mm512_set1_ps(lo), vz = _mm512_set1_ps(zmin);
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) {
     const __m512 v = _mm512_loadu_ps(e + i);
-    const __mmask16 k = _mm512_cmp_ps_mask(v, vt, _CMP_GE_OQ);
+    const __mmask16 k = _mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(_mm512_loadu_ps(z + i), vz, _CMP_GE_OQ);
     acc = _mm512_mask_add_ps(acc, k, acc, v);
     count += __builtin_popcount(k);
-    if ((i & 1023) == 1008) {  // a double every 1024 elements: the float lanes stay exact enough
+    if ((i & 1023) == 1008) {  // into a double every 1024 elements: the float lanes stay exact enough
       sum += _mm512_reduce_add_ps(acc);
       acc = _mm512_setzero_ps();
     }
@@ -805,49 +858,32 @@ std::pair<int64_t, double> count_sum_at_least(const float* e, int64_t n, float t
   sum += _mm512_reduce_add_ps(acc);
 #endif
   for (; i < n; ++i)
-    if (e[i] >= t) {
+    if (e[i] >= lo && z[i] >= zmin) {
       ++count;
       sum += e[i];
     }
   return {count, sum};
 }
 
-// The elements of e[0..n) that are >= lo, in order, into cand; returns how many.
-int64_t gather_at_least(const float* e, int64_t n, float lo, std::vector<float>& cand) {
-  cand.resize(static_cast<size_t>(n) + 16);
-  float* out = cand.data();
-  int64_t i = 0, k = 0;
-#if PAGODA_EW_AVX512
-  const __m512 vlo = _mm512_set1_ps(lo);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(e + i);
-    const __mmask16 m = _mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ);
-    if (!m) continue;
-    // compress in a register, then a plain store (a compressing store to memory is slow on Zen 4)
-    _mm512_storeu_ps(out + k, _mm512_maskz_compress_ps(m, v));
-    k += __builtin_popcount(m);
-  }
-#endif
-  for (; i < n; ++i)
-    if (e[i] >= lo) out[k++] = e[i];
-  return k;
-}
-
-// The largest value v among cand[0..n) such that the elements >= v weigh at least `need`: counted
-// (by_mass false) or summed. The lowest element where they all weigh less (rounding: keep them
-// all). A radix selection on the floats' bits, which order as the values do (0 <= cand <= 1, so
-// bit 30 is 0): three levels of 10 bits, each over the bucket the one before chose (compacted in
-// place in cand).
-float select_threshold(float* cand, int64_t n, bool by_mass, double need) {
-  constexpr int kBuckets = 1024;
+// The largest key v among the n candidates such that those with key >= v weigh at least `need`:
+// counted (by_mass false) or by their mass; the lowest key where they all weigh less (rounding:
+// keep them all). A radix selection in 2048 buckets a level, the first over the span of the
+// candidates' keys (so they spread out however close their values), each next one over the bucket
+// the one before chose (the candidates compacted in place): at most three levels.
+uint32_t select_key(Candidates& c, int64_t n, bool by_mass, double need) {
+  constexpr int kBits = 11, kBuckets = 1 << kBits;
   double w[kBuckets];
-  uint32_t prefix = 0;
+  uint32_t lo = UINT32_MAX, hi = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, c.key[i]);
+    hi = std::max(hi, c.key[i]);
+  }
+  int shift = std::max(0, 32 - __builtin_clz((hi - lo) | 1u) - kBits);  // (hi - lo) >> shift < 2048
+  uint32_t base = lo;
   bool lowest = false;  // take each level's lowest non-empty bucket: the whole bucket is kept
-  for (int level = 0; level < 3; ++level) {
-    const int shift = 20 - 10 * level;
+  while (true) {
     std::fill(w, w + kBuckets, 0.0);
-    for (int64_t i = 0; i < n; ++i)
-      w[(float_bits(cand[i]) >> shift) & (kBuckets - 1)] += by_mass ? static_cast<double>(cand[i]) : 1.0;
+    for (int64_t i = 0; i < n; ++i) w[(c.key[i] - base) >> shift] += by_mass ? static_cast<double>(c.mass[i]) : 1.0;
     double above = 0.0;
     int b = kBuckets - 1;
     if (!lowest)
@@ -856,65 +892,87 @@ float select_threshold(float* cand, int64_t n, bool by_mass, double need) {
         above += w[b];
       }
     if (b < 0 || lowest) {
-      // Rounding left these elements a hair below what their sums promised: keep all of this level
-      // (its lowest element is the threshold).
+      // Rounding left these candidates a hair below what their sums promised: keep all of this
+      // level (its lowest key is the threshold).
       lowest = true;
       for (b = 0; b < kBuckets - 1 && w[b] == 0.0; ++b) {
       }
     }
     need -= above;
-    prefix |= static_cast<uint32_t>(b) << shift;
-    if (level < 2) {  // the chosen bucket's elements, for the next level
-      const uint32_t hi = prefix >> shift;
-      int64_t k = 0;
-      for (int64_t i = 0; i < n; ++i)
-        if ((float_bits(cand[i]) >> shift) == hi) cand[k++] = cand[i];
-      n = k;
-    }
+    if (shift == 0) return base + static_cast<uint32_t>(b);
+    int64_t k = 0;  // the chosen bucket's candidates, for the next level
+    for (int64_t i = 0; i < n; ++i)
+      if (((c.key[i] - base) >> shift) == static_cast<uint32_t>(b)) {
+        c.key[k] = c.key[i];
+        c.mass[k++] = c.mass[i];
+      }
+    n = k;
+    base += static_cast<uint32_t>(b) << shift;
+    shift = std::max(0, shift - kBits);
   }
-  return bits_float(prefix);
 }
 
-// The threshold of the sampler's filters on one row's e (exp((x - max) / T), so the maximum's is 1):
-// the kept tokens are those with e >= it. min_p: e >= min_p. top_k: the k-th largest e of those
-// (ties kept). top_p: of those, the largest v such that the ones >= v hold >= top_p of their mass.
-// Each selection runs on the few elements that can hold its answer: for top_k, those above the
-// first of 2^-8, 2^-20, 2^-40 that at least k pass; for top_p, those >= (1 - top_p) x the mean of the elements it starts
-// from (the ones below cannot add up to more than the 1 - top_p of the mass it may drop).
-float filter_threshold(const float* e, int64_t n, int64_t top_k, float top_p, float min_p, std::vector<float>& cand) {
-  float t = min_p > 0.f ? min_p : 0.f;  // e = p / p_max
+// The sampler's filters on one row, in its order, as thresholds: min_p keeps e >= min_p (e = p /
+// p_max); top_k the tokens whose z is >= the k-th largest z of those (ties kept); top_p, of those,
+// the ones whose z is >= the largest v such that the tokens >= v hold >= top_p of their mass (ties
+// kept). The filtered tokens' e become 0. Each selection runs on the few tokens that can hold its
+// answer (e is monotone in z): for top_k, those above the first of 2^-8, 2^-20, 2^-40 that at
+// least k pass; for top_p, those >= (1 - top_p) x the mean of the ones it starts from (the ones
+// below cannot add up to more than the 1 - top_p of the mass it may drop).
+void apply_filters(float* e, const float* z, int64_t n, int64_t top_k, float top_p, float min_p, Candidates& c) {
+  const float lo = min_p > 0.f ? min_p : 0.f;
+  float zmin = -INFINITY;
   if (top_k > 0 && top_k < n) {
-    float lo = t;
+    float from = lo;
     for (const float g : {0x1p-8f, 0x1p-20f, 0x1p-40f})
-      if (g > t && count_sum_at_least(e, n, g).first >= top_k) {
-        lo = g;
+      if (g > lo && count_mass(e, z, n, g, zmin).first >= top_k) {
+        from = g;
         break;
       }
-    const int64_t m = gather_at_least(e, n, lo, cand);
-    if (m > top_k) t = select_threshold(cand.data(), m, false, static_cast<double>(top_k));
-    else t = lo;  // at most k tokens pass the earlier filters: all of them
+    // (fewer than k candidates only where nothing was cut before the gather: min_p left < k tokens)
+    const int64_t m = gather_candidates(e, z, n, from, zmin, c);
+    if (m >= top_k) zmin = key_float(select_key(c, m, false, static_cast<double>(top_k)));
   }
   if (top_p < 1.f) {
-    const auto [count, mass] = count_sum_at_least(e, n, t);
-    const float lo = std::max(t, static_cast<float>((1.0 - top_p) * mass / static_cast<double>(count)) * 0.99f);
-    const int64_t m = gather_at_least(e, n, lo, cand);
-    t = std::max(t, select_threshold(cand.data(), m, true, static_cast<double>(top_p) * mass));
+    const auto [count, mass] = count_mass(e, z, n, lo, zmin);
+    const float from = std::max(lo, static_cast<float>((1.0 - top_p) * mass / static_cast<double>(count)) * 0.99f);
+    const int64_t m = gather_candidates(e, z, n, from, zmin, c);
+    zmin = std::max(zmin, key_float(select_key(c, m, true, static_cast<double>(top_p) * mass)));
   }
-  return t;
+  if (lo > 0.f || zmin > -INFINITY) {
+    int64_t i = 0;
+#if PAGODA_EW_AVX512
+    const __m512 vlo = _mm512_set1_ps(lo), vz = _mm512_set1_ps(zmin);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(e + i);
+      const __mmask16 k = _mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(_mm512_loadu_ps(z + i), vz, _CMP_GE_OQ);
+      _mm512_storeu_ps(e + i, _mm512_maskz_mov_ps(k, v));
+    }
+#endif
+    for (; i < n; ++i)
+      if (!(e[i] >= lo && z[i] >= zmin)) e[i] = 0.f;
+  }
 }
 
 // One row's token (see sample_rows).
 template <typename T>
 int64_t sample_row(const T* x, int64_t n, float temperature, int64_t top_k, float top_p, float min_p, double u,
-                   std::vector<float>& e, std::vector<float>& cand, std::vector<float>& block) {
+                   std::vector<float>& e, std::vector<float>& z, Candidates& cand, std::vector<float>& block) {
   const int64_t j = argmax_row(x, n);
   const float m = load(x[j]);
   if (!(temperature > 0.f) || !std::isfinite(m)) return j;  // greedy; or a NaN / infinite maximum
   e.resize(static_cast<size_t>(n));
   scaled_exp_row(x, n, m, 1.f / temperature, e.data());
-  const float t = filter_threshold(e.data(), n, top_k, top_p, min_p, cand);
-  // The kept tokens' mass a block of kDrawBlock tokens, then the block and the token where the
-  // cumulative mass passes u x the total.
+  if ((top_k > 0 && top_k < n) || top_p < 1.f) {
+    z.resize(static_cast<size_t>(n));
+    scaled_logits_row(x, n, temperature, z.data());
+    apply_filters(e.data(), z.data(), n, top_k, top_p, min_p, cand);
+  } else if (min_p > 0.f) {
+    for (int64_t i = 0; i < n; ++i)
+      if (!(e[i] >= min_p)) e[i] = 0.f;
+  }
+  // The kept mass a block of kDrawBlock tokens, then the block and the token where the cumulative
+  // mass passes u x the total.
   const int64_t nb = (n + kDrawBlock - 1) / kDrawBlock;
   block.resize(static_cast<size_t>(nb));
   double total = 0.0;
@@ -923,10 +981,10 @@ int64_t sample_row(const T* x, int64_t n, float temperature, int64_t top_k, floa
     float lanes[16] = {};
     int64_t i = i0;
     for (; i + 16 <= i1; i += 16)
-      for (int l = 0; l < 16; ++l) lanes[l] += e[i + l] >= t ? e[i + l] : 0.f;
+      for (int l = 0; l < 16; ++l) lanes[l] += e[i + l];
     float s = 0.f;
     for (int l = 0; l < 16; ++l) s += lanes[l];
-    for (; i < i1; ++i) s += e[i] >= t ? e[i] : 0.f;
+    for (; i < i1; ++i) s += e[i];
     block[b] = s;
     total += s;
   }
@@ -940,7 +998,7 @@ int64_t sample_row(const T* x, int64_t n, float temperature, int64_t top_k, floa
     const int64_t i0 = b * kDrawBlock, i1 = std::min(n, i0 + kDrawBlock);
     int64_t last = -1;
     for (int64_t i = i0; i < i1; ++i) {
-      if (!(e[i] >= t) || e[i] <= 0.f) continue;
+      if (e[i] <= 0.f) continue;
       acc += e[i];
       last = i;
       if (acc > target) return i;
@@ -950,7 +1008,7 @@ int64_t sample_row(const T* x, int64_t n, float temperature, int64_t top_k, floa
   // Unreachable (total > 0: the maximum's e is 1 and passes every filter), but for rounding: the
   // last kept token.
   for (int64_t i = n - 1; i >= 0; --i)
-    if (e[i] >= t && e[i] > 0.f) return i;
+    if (e[i] > 0.f) return i;
   return j;
 }
 
@@ -1060,7 +1118,8 @@ void sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::T
   auto run = [&](const auto* base) {
 #pragma omp parallel num_threads(threads_for(n * v))
     {
-      std::vector<float> e, cand, block, row;
+      std::vector<float> e, z, block, row;
+      Candidates cand;
       PenaltyScratch ps;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t r = 0; r < n; ++r) {
@@ -1073,9 +1132,9 @@ void sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::T
           penalise_row(row.data(), v, penalised ? pen + 3 * r : none, prompt.size(r) ? prompt.row(r) : nullptr,
                        prompt.size(r), output.size(r) ? output.row(r) : nullptr, output.size(r),
                        banned.size(r) ? banned.row(r) : nullptr, banned.size(r), ps);
-          o[r] = sample_row(row.data(), v, temp[r], k[r], p[r], mp[r], u[r], e, cand, block);
+          o[r] = sample_row(row.data(), v, temp[r], k[r], p[r], mp[r], u[r], e, z, cand, block);
         } else {
-          o[r] = sample_row(xr, v, temp[r], k[r], p[r], mp[r], u[r], e, cand, block);
+          o[r] = sample_row(xr, v, temp[r], k[r], p[r], mp[r], u[r], e, z, cand, block);
         }
       }
     }
