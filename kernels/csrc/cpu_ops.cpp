@@ -763,13 +763,8 @@ inline float bits_float(uint32_t u) {
   return f;
 }
 
-#if PAGODA_EW_AVX512
-extern "C" __m512 Sleef_expf16_u10(__m512);  // declared again: silu_exact's comes later
-#elif PAGODA_EW_AVX2
-extern "C" __m256 Sleef_expf8_u10(__m256);
-#endif
-
-// e[i] = exp((x[i] - m) * inv_t) (<= 1: m is the row's maximum), with torch's vectorised exp.
+// e[i] = exp((x[i] - m) * inv_t) (<= 1: m is the row's maximum), with torch's vectorised exp
+// (Sleef, declared for silu_exact above).
 template <typename T>
 void scaled_exp_row(const T* x, int64_t n, float m, float inv_t, float* e) {
   int64_t i = 0;
@@ -912,6 +907,22 @@ uint32_t select_key(Candidates& c, int64_t n, bool by_mass, double need) {
   }
 }
 
+// e[i] = 0 where e[i] < lo or (z given) z[i] < zmin: the tokens a filter drops.
+void drop_below(float* e, const float* z, int64_t n, float lo, float zmin) {
+  int64_t i = 0;
+#if PAGODA_EW_AVX512
+  const __m512 vlo = _mm512_set1_ps(lo), vz = _mm512_set1_ps(zmin);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(e + i);
+    __mmask16 k = _mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ);
+    if (z) k &= _mm512_cmp_ps_mask(_mm512_loadu_ps(z + i), vz, _CMP_GE_OQ);
+    _mm512_storeu_ps(e + i, _mm512_maskz_mov_ps(k, v));
+  }
+#endif
+  for (; i < n; ++i)
+    if (!(e[i] >= lo && (!z || z[i] >= zmin))) e[i] = 0.f;
+}
+
 // The sampler's filters on one row, in its order, as thresholds: min_p keeps e >= min_p (e = p /
 // p_max); top_k the tokens whose z is >= the k-th largest z of those (ties kept); top_p, of those,
 // the ones whose z is >= the largest v such that the tokens >= v hold >= top_p of their mass (ties
@@ -939,19 +950,7 @@ void apply_filters(float* e, const float* z, int64_t n, int64_t top_k, float top
     const int64_t m = gather_candidates(e, z, n, from, zmin, c);
     zmin = std::max(zmin, key_float(select_key(c, m, true, static_cast<double>(top_p) * mass)));
   }
-  if (lo > 0.f || zmin > -INFINITY) {
-    int64_t i = 0;
-#if PAGODA_EW_AVX512
-    const __m512 vlo = _mm512_set1_ps(lo), vz = _mm512_set1_ps(zmin);
-    for (; i + 16 <= n; i += 16) {
-      const __m512 v = _mm512_loadu_ps(e + i);
-      const __mmask16 k = _mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(_mm512_loadu_ps(z + i), vz, _CMP_GE_OQ);
-      _mm512_storeu_ps(e + i, _mm512_maskz_mov_ps(k, v));
-    }
-#endif
-    for (; i < n; ++i)
-      if (!(e[i] >= lo && z[i] >= zmin)) e[i] = 0.f;
-  }
+  if (lo > 0.f || zmin > -INFINITY) drop_below(e, z, n, lo, zmin);
 }
 
 // One row's token (see sample_rows).
@@ -968,8 +967,7 @@ int64_t sample_row(const T* x, int64_t n, float temperature, int64_t top_k, floa
     scaled_logits_row(x, n, temperature, z.data());
     apply_filters(e.data(), z.data(), n, top_k, top_p, min_p, cand);
   } else if (min_p > 0.f) {
-    for (int64_t i = 0; i < n; ++i)
-      if (!(e[i] >= min_p)) e[i] = 0.f;
+    drop_below(e.data(), nullptr, n, min_p, -INFINITY);
   }
   // The kept mass a block of kDrawBlock tokens, then the block and the token where the cumulative
   // mass passes u x the total.
@@ -1017,7 +1015,7 @@ struct RowIds {
   const int64_t* ids = nullptr;
   const int64_t* starts = nullptr;
   int64_t size(int64_t r) const { return starts ? starts[r + 1] - starts[r] : 0; }
-  const int64_t* row(int64_t r) const { return ids + starts[r]; }
+  const int64_t* row(int64_t r) const { return starts ? ids + starts[r] : nullptr; }
 };
 
 // Scratch of one thread: the penalties' per-token marks, all zero between rows.
@@ -1129,9 +1127,8 @@ void sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::T
           row.resize(static_cast<size_t>(v));
           for (int64_t i = 0; i < v; ++i) row[i] = load(xr[i]);
           const float none[3] = {1.f, 0.f, 0.f};
-          penalise_row(row.data(), v, penalised ? pen + 3 * r : none, prompt.size(r) ? prompt.row(r) : nullptr,
-                       prompt.size(r), output.size(r) ? output.row(r) : nullptr, output.size(r),
-                       banned.size(r) ? banned.row(r) : nullptr, banned.size(r), ps);
+          penalise_row(row.data(), v, penalised ? pen + 3 * r : none, prompt.row(r), prompt.size(r), output.row(r),
+                       output.size(r), banned.row(r), banned.size(r), ps);
           o[r] = sample_row(row.data(), v, temp[r], k[r], p[r], mp[r], u[r], e, z, cand, block);
         } else {
           o[r] = sample_row(xr, v, temp[r], k[r], p[r], mp[r], u[r], e, z, cand, block);
