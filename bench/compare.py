@@ -327,6 +327,12 @@ def main() -> int:
         ap.error("--repeat must be >= 1")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
         ap.error("--max-num-batched-tokens must be >= 1")
+    if not args.temperature >= 0:
+        ap.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        ap.error(f"--top-k must be >= 0 (0: all tokens), got {args.top_k}")
 
     digest = source_digest()
     print(f"Pagoda {revision()} (sources {digest})", flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,13 @@ def test_step_budget_goes_to_pagoda_and_vllm_only(compare, tmp_path, monkeypatch
         else:
             i = cmd.index("--temperature")
             assert cmd[i:i + 6] == ["--temperature", "0.8", "--top-p", "0.95", "--top-k", "40"], (engine, cmd)
+
+
+@pytest.mark.parametrize("option,value,message", [("--temperature", "-0.5", "--temperature must be >= 0"),
+                                                  ("--top-p", "0", "--top-p must be in (0, 1]"),
+                                                  ("--top-p", "1.5", "--top-p must be in (0, 1]"),
+                                                  ("--top-k", "-3", "--top-k must be >= 0")])
+def test_bad_sampling_options_are_refused_before_anything_runs(option, value, message):
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), option, value],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and message in run.stderr and "matmul" not in run.stdout

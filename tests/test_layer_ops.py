@@ -397,6 +397,33 @@ def test_sample_applies_penalties_and_the_ban_to_a_copy_of_the_row(ops, dtype):
     assert plain.cumsum(0)[got[-1]] >= 0.999999 - 1e-5
 
 
+def test_sample_rejects_bad_arguments_naming_them(ops):
+    cpu, _ = ops
+    n = 3
+    good = dict(temperature=torch.ones(n), top_k=torch.zeros(n, dtype=torch.long), top_p=torch.ones(n),
+                min_p=torch.zeros(n), uniform=torch.full((n,), 0.5, dtype=torch.float64))
+    logits = torch.randn(n, 40)
+    ids = (torch.tensor([1, 2], dtype=torch.long), torch.tensor([0, 1, 1, 2]))
+    for name, bad, message in [
+        ("temperature", torch.ones(n, dtype=torch.float64), "temperature must be a contiguous Float"),
+        ("top_k", torch.zeros(n + 1, dtype=torch.long), r"top_k must be a contiguous Long \[3\]"),
+        ("uniform", torch.full((n,), 0.5), "uniform must be a contiguous Double"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            cpu.sample(logits, **{**good, name: bad})
+    with pytest.raises(RuntimeError, match=r"penalties must be a contiguous float32 \[N, 3\]"):
+        cpu.sample(logits, **good, penalties=torch.ones(n, 2), output=ids)
+    with pytest.raises(RuntimeError, match="output starts must run from 0 to 2"):
+        cpu.sample(logits, **good, penalties=torch.ones(n, 3), output=(ids[0], torch.tensor([0, 1, 1, 3])))
+    with pytest.raises(RuntimeError, match="output starts must not decrease"):
+        cpu.sample(logits, **good, penalties=torch.ones(n, 3), output=(ids[0], torch.tensor([0, 2, 1, 2])))
+    with pytest.raises(RuntimeError, match="prompt / output ids need penalties"):
+        cpu.sample(logits, **good, output=ids)
+    with pytest.raises(RuntimeError, match="unsupported dtype"):
+        cpu.sample(logits.half(), **good)
+    assert cpu.sample(logits, **good).shape == (n,)  # and the same call with good arguments works
+
+
 def test_sample_rows_without_a_finite_maximum_take_the_argmax(ops):
     cpu, _ = ops
     logits = torch.randn(3, 40)
