@@ -28,7 +28,9 @@ beside them. Use an odd count: the host's noise is ±5-15% from one run to the n
 
 ``--temperature T [--top-p P] [--top-k K]`` samples instead of greedy decoding, Pagoda and vLLM
 alike (each with its own random numbers; ``ignore_eos`` keeps the workload's output lengths): what
-most traffic asks for, and where an engine's sampler shows. The targets are judged on greedy W only.
+most traffic asks for, and where an engine's sampler shows. ``--logprobs N`` has every request ask
+for its tokens' logprobs and N top ones (evaluation runs do). The targets are judged on greedy W
+without logprobs only.
 
 ``--max-num-batched-tokens N`` gives Pagoda and vLLM both that step budget. Without it each takes
 its own default, 2048 tokens for both (vLLM's ``EngineArgs`` default, which this command's
@@ -245,6 +247,8 @@ def engine_command(engine: str, args) -> tuple[str, list[str], dict]:
         cmd += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
     if engine in ("pagoda", "vllm") and args.temperature > 0:
         cmd += ["--temperature", str(args.temperature), "--top-p", str(args.top_p), "--top-k", str(args.top_k)]
+    if engine in ("pagoda", "vllm") and args.logprobs is not None:
+        cmd += ["--logprobs", str(args.logprobs)]
     return py, cmd, env
 
 
@@ -320,6 +324,8 @@ def main() -> int:
                          "targets' setting; output lengths stay the workload's either way)")
     ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
     ap.add_argument("--top-k", type=int, default=0, help="with --temperature (0: all tokens)")
+    ap.add_argument("--logprobs", type=int, default=None,
+                    help="Pagoda and vLLM alike: every request asks for its tokens' logprobs and this many top ones")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--repeat", type=int, default=1, help="run the engine list this many times, round-robin")
     args = ap.parse_args()
@@ -333,6 +339,8 @@ def main() -> int:
         ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
         ap.error(f"--top-k must be >= 0 (0: all tokens), got {args.top_k}")
+    if args.logprobs is not None and args.logprobs < 0:
+        ap.error(f"--logprobs must be >= 0 (0: the sampled token's alone), got {args.logprobs}")
 
     digest = source_digest()
     print(f"Pagoda {revision()} (sources {digest})", flush=True)
@@ -402,8 +410,9 @@ def main() -> int:
           + "; ".join(f"{r['engine']} at {100 * bound / r['elapsed']:.0f}% of it" for r in results
                       if r["workload"] == args.workload))
     digest_end = source_digest()
-    sampled = (f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"
-               if args.temperature > 0 else None)
+    sampled = ", ".join(([f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"]
+                         if args.temperature > 0 else [])
+                        + ([f"logprobs {args.logprobs}"] if args.logprobs is not None else [])) or None
     for line in closing_lines(pagoda, results, args.dtype, (digest, digest_end), bool(args.num_speculative_tokens),
                               sampled):
         print(line)

@@ -59,11 +59,13 @@ def drive(engine, add, requests) -> dict:
 
 def sampling_fields(args) -> dict:
     """The requests' sampling settings: greedy (the workload's own), or --temperature with
-    --top-p / --top-k (the same for Pagoda and vLLM; output lengths stay the workload's, by
-    ``ignore_eos``)."""
+    --top-p / --top-k, and --logprobs (the same for Pagoda and vLLM; output lengths stay the
+    workload's, by ``ignore_eos``)."""
     fields = {"temperature": getattr(args, "temperature", 0.0)}
     if fields["temperature"] > 0:
         fields.update(top_p=args.top_p, top_k=args.top_k)
+    if getattr(args, "logprobs", None) is not None:
+        fields["logprobs"] = args.logprobs
     return fields
 
 
@@ -134,7 +136,11 @@ def run_pagoda(args, requests) -> dict:
     if getattr(args, "python_layers", False):
         engine.runner.model.layer_stack = None  # bench/layer_stack_ab.py: the decoder layers from Python
     if getattr(args, "torch_sampler", False):
-        engine.runner.sampler.sample = None  # the sampler's torch path (before the C++ sample_rows kernel)
+        # the sampler's torch path (before the C++ sample_rows and logprobs_rows kernels)
+        from pagoda_kernels.layer_ops import TorchLayerOps
+
+        engine.runner.sampler.sample = None
+        engine.runner.sampler.logprobs = TorchLayerOps().logprobs
     if getattr(args, "no_fused_argmax", False):
         # greedy steps compute the logits and take the sampler's argmax (before the LM head's argmax epilogue)
         engine.runner.model.greedy_tokens = lambda hidden, vocab_size: None
@@ -261,6 +267,8 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
                     help="pagoda, vllm: sample at this temperature instead of greedy (0: greedy, the workload's own)")
     ap.add_argument("--top-p", type=float, default=1.0, help="pagoda, vllm: with --temperature")
     ap.add_argument("--top-k", type=int, default=0, help="pagoda, vllm: with --temperature (0: all tokens)")
+    ap.add_argument("--logprobs", type=int, default=None,
+                    help="pagoda, vllm: every request asks for the sampled token's logprob and this many top ones")
 
 
 def main() -> int:
@@ -275,7 +283,8 @@ def main() -> int:
                          "GEMM (LlamaForCausalLM.greedy_tokens)")
     ap.add_argument("--torch-sampler", action="store_true",
                     help="pagoda: sampled rows take the sampler's torch path (a sort for top_p, an exponential a "
-                         "token), not the C++ kernel (CpuLayerOps.sample)")
+                         "token; logprobs by log_softmax and topk), not the C++ kernels (CpuLayerOps.sample, "
+                         "CpuLayerOps.logprobs)")
     ap.add_argument("--no-detokenize", dest="detokenize", action="store_false",
                     help="pagoda: skip detokenization (vLLM detokenizes; the default keeps it on)")
     args = ap.parse_args()

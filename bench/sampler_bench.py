@@ -1,5 +1,5 @@
-"""The sampler on a decode step's logits: its torch path against the C++ kernel the engine takes on
-CPU (``CpuLayerOps.sample``), per sampling setting.
+"""The sampler on a decode step's logits: its torch path against the C++ kernels the engine takes on
+CPU (``CpuLayerOps.sample`` and ``CpuLayerOps.logprobs``), per sampling setting.
 
     python bench/sampler_bench.py [--rows 256] [--vocab 49152] [--reps 7]
 
@@ -34,6 +34,9 @@ SETTINGS = {
     "min_p 0.05": dict(temperature=0.8, min_p=0.05),
     "repetition_penalty 1.1": dict(temperature=0.8, repetition_penalty=1.1),
     "presence 0.5, frequency 0.5": dict(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5),
+    "greedy, logprobs 0": dict(temperature=0.0, logprobs=0),
+    "greedy, logprobs 5": dict(temperature=0.0, logprobs=5),
+    "top_p 0.95, logprobs 20": dict(temperature=0.8, top_p=0.95, logprobs=20),
 }
 
 
@@ -50,7 +53,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(args.rows, args.vocab, generator=g) * 2.5).to(torch.bfloat16)
     forms = {"torch": Sampler(args.vocab, {2}, argmax=ops.argmax),
-             "kernel": Sampler(args.vocab, {2}, argmax=ops.argmax, sample=ops.sample)}
+             "kernel": Sampler(args.vocab, {2}, argmax=ops.argmax, sample=ops.sample, logprobs=ops.logprobs)}
     print(f"torch threads {torch.get_num_threads()}; {args.rows} rows x {args.vocab} bf16 logits; "
           f"median of {args.reps}")
     print("| setting | torch path ms | kernel ms | torch / kernel |")

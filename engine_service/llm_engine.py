@@ -272,6 +272,7 @@ class LLMEngine:
         if so.sampled_logprobs is None:
             return None
         lps = so.sampled_logprobs.tolist()
+        ranks = so.sampled_ranks.tolist() if so.sampled_ranks is not None else [None] * len(lps)
         top_ids = so.topk_token_ids.tolist() if so.topk_token_ids is not None else None
         top_lps = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
         rows = []
@@ -284,7 +285,7 @@ class LLMEngine:
             if k and top_ids is not None:
                 for rank, (tid, lp) in enumerate(zip(top_ids[row][:k], top_lps[row][:k]), start=1):
                     entry[tid] = Logprob(lp, rank)
-            entry.setdefault(token_ids[row], Logprob(lps[row]))
+            entry.setdefault(token_ids[row], Logprob(lps[row], ranks[row]))
             rows.append((lps[row], entry))
         return rows
 

@@ -93,7 +93,7 @@ class ModelRunner:
         self.swap_cache = (torch.empty((*shape[:2], config.num_swap_blocks, *shape[3:]), dtype=self.dtype)
                            if config.num_swap_blocks else None)
         self.sampler = Sampler(self.vocab_size, eos_token_ids, argmax=self.layer_ops.argmax,
-                               sample=self.layer_ops.sample)
+                               sample=self.layer_ops.sample, logprobs=self.layer_ops.logprobs)
         # The last layer runs its attention, o_proj and MLP only on the rows that are sampled
         # (``LlamaForCausalLM.forward``'s keep): same values, less work in prefill steps. Only where
         # the backend's prefill gives a row the same bits whatever its chunk's other rows

@@ -60,6 +60,7 @@ class SamplerOutput:
     sampled_logprobs: torch.Tensor | None  # [B] float32 (None when no row asked for logprobs)
     topk_token_ids: torch.Tensor | None  # [B, K] int64, K = max logprobs asked in the batch
     topk_logprobs: torch.Tensor | None  # [B, K] float32
+    sampled_ranks: torch.Tensor | None = None  # [B] int64: 1 + the raw logits above the sampled token's
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -75,7 +76,7 @@ class Sampler:
     than ``min_tokens`` output tokens.
     """
 
-    def __init__(self, vocab_size: int, eos_token_ids: set[int], argmax=None, sample=None):
+    def __init__(self, vocab_size: int, eos_token_ids: set[int], argmax=None, sample=None, logprobs=None):
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
         # The all-greedy batch's argmax (first maximum per row): a layer-ops kernel where there is one.
@@ -85,6 +86,9 @@ class Sampler:
         # vocabulary for top_p and draws an exponential per token (256 rows of 49152: 0.22 s at a
         # temperature, 0.61 s with top_p, against a few ms; bench/RESULTS.md).
         self.sample = sample
+        # Raw logprobs: the sampled token's and the top K of each row (a layer-ops kernel where there
+        # is one: two passes a row instead of a [B, V] log_softmax and topk).
+        self.logprobs = logprobs or TorchLayerOps().logprobs
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits[:, : self.vocab_size]
@@ -100,9 +104,9 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         structured = batch.structured
 
-        if self.sample is None or num_logprobs or structured is not None:
+        raw = logits
+        if self.sample is None or structured is not None:
             logits = logits.float()  # (the kernel reads bf16 logits as they are)
-        raw_logprobs = logits.log_softmax(-1) if num_logprobs else None
         if structured is not None:
             # First, as in vLLM: the grammar decides which tokens exist, the rest samples among them.
             logits = structured.masker.apply(logits, structured)
@@ -111,11 +115,10 @@ class Sampler:
         else:
             sampled = self._sample_torch(logits, batch, penalized, min_tokens_rows, random_rows)
 
-        if raw_logprobs is None:
+        if not num_logprobs:
             return SamplerOutput(sampled, None, None, None)
-        sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
-        topk_logprobs, topk_ids = raw_logprobs.topk(min(max(num_logprobs), self.vocab_size), dim=-1)
-        return SamplerOutput(sampled, sampled_logprobs, topk_ids, topk_logprobs)
+        token_lp, rank, top_ids, top_lp = self.logprobs(raw, sampled, min(max(num_logprobs), self.vocab_size))
+        return SamplerOutput(sampled, token_lp, top_ids, top_lp, rank)
 
     def _apply_penalties(
         self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]

@@ -75,6 +75,16 @@ class TorchLayerOps:
     # Random sampling in one pass a row (CpuLayerOps.sample); None here: the sampler's torch path.
     sample = None
 
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, k: int):
+        """log_softmax of each row of ``logits`` [N, V] at its ``tokens`` [N] (float32 [N]), each
+        token's rank in its row (int64 [N]: 1 + the logits above it), and the ``k`` largest logprobs
+        of each row with their ids, largest first (int64 and float32 [N, k])."""
+        x = logits.float()
+        logprobs = x.log_softmax(-1)
+        top, top_ids = logprobs.topk(k, dim=-1)
+        rank = (x > x.gather(1, tokens.unsqueeze(1))).sum(-1) + 1
+        return logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1), rank, top_ids, top
+
 
 class CpuLayerOps(TorchLayerOps):
     """The same ops as single C++ passes (float32 and bfloat16; other dtypes use torch)."""
@@ -92,6 +102,7 @@ class CpuLayerOps(TorchLayerOps):
         self._silu_and_mul = torch.ops.pagoda_cpu.silu_and_mul.default
         self._argmax = torch.ops.pagoda_cpu.argmax.default
         self._sample_rows = torch.ops.pagoda_cpu.sample_rows.default
+        self._logprobs_rows = torch.ops.pagoda_cpu.logprobs_rows.default
         self._argmax_vectorized = bool(torch.ops.pagoda_cpu.has_avx512())
         self.bf16_gemm = bool(torch.ops.pagoda_cpu.gemm_supported())
         # Our float32 GEMM (AVX-512 panels of 6 rows x 64 columns where the build targets AVX-512, else
@@ -178,6 +189,18 @@ class CpuLayerOps(TorchLayerOps):
         prompt, output, banned = ((None, None) if ids is None else ids for ids in (prompt, output, banned))
         self._sample_rows(logits, temperature, top_k, top_p, min_p, uniform, penalties, *prompt, *output, *banned, out)
         return out
+
+    def logprobs(self, logits, tokens, k):
+        # Two passes a row (csrc/cpu_ops.cpp logprobs_rows): the top k by a running threshold, then
+        # the exp-sum; no [N, V] float copy, log_softmax or topk (256 x 49152: see bench/RESULTS.md).
+        # Equal values come by lower index, and a NaN ranks lowest (torch.topk: highest).
+        if logits.dtype not in self._DTYPES or logits.dim() != 2 or logits.stride(-1) != 1 or logits.shape[1] == 0:
+            return super().logprobs(logits, tokens, k)
+        n = logits.shape[0]
+        token_lp, top_lp = torch.empty(n), torch.empty((n, k))
+        rank, top_ids = torch.empty(n, dtype=torch.long), torch.empty((n, k), dtype=torch.long)
+        self._logprobs_rows(logits, tokens.contiguous(), token_lp, rank, top_ids, top_lp)
+        return token_lp, rank, top_ids, top_lp
 
     # ---- GEMMs of our own (csrc/cpu_ops.cpp): bf16 (bf16_gemm: AMX tiles or AVX512-BF16) and
     # float32 (f32_gemm: AVX-512 or AVX2 FMAs) ------------------------------------------------------

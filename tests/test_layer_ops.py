@@ -434,6 +434,91 @@ def test_sample_rows_without_a_finite_maximum_take_the_argmax(ops):
                      torch.full((3,), 0.5, dtype=torch.float64))
     assert got.tolist() == [0, 5, 9]
 
+# ---- Logprobs in two passes a row (CpuLayerOps.logprobs) -----------------------------------------
+
+def _top_k_reference(x: torch.Tensor, k: int):
+    """The k largest of each row, largest first, equal values by lower index, NaN lowest."""
+    key = x.double().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    order = torch.sort(-key, dim=-1, stable=True).indices[:, :k]
+    return order
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (3, 16), (5, 17), (64, 49152), (300, 1000)])
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_logprobs_are_log_softmax_at_the_tokens_and_its_top_k(ops, dtype, rows, vocab, k):
+    """Against a float64 log_softmax of the same values: the tokens' logprobs and the top k's, on
+    strided rows (a vocabulary slice of padded logits), rows with ties for the top places (the lower
+    index first), the top k in the scalar tail, -inf entries, and k up to the whole row."""
+    cpu, ref = ops
+    k = min(k, vocab)
+    g = torch.Generator().manual_seed(rows * vocab + k)
+    padded = (torch.randn(rows, vocab + 5, generator=g) * 3).to(dtype)
+    if rows % 2:  # few distinct values: ties for the top places
+        padded = padded.round()
+    logits = padded[:, :vocab]
+    logits[0, vocab // 3] = float("-inf")
+    if rows > 2:
+        logits[2, -1] = logits[2].float().max() + 1  # the maximum in the scalar tail
+    tokens = torch.randint(0, vocab, (rows,), generator=g)
+    token_lp, rank, top_ids, top_lp = cpu.logprobs(logits, tokens, k)
+    want = logits.double().log_softmax(-1)
+    assert token_lp.dtype == torch.float32 and top_lp.dtype == torch.float32 and top_ids.dtype == torch.long
+    assert top_ids.shape == (rows, k) and top_lp.shape == (rows, k)
+    torch.testing.assert_close(token_lp.double(), want.gather(1, tokens.unsqueeze(1)).squeeze(1), atol=2e-5, rtol=1e-5)
+    x = logits.double()
+    assert rank.dtype == torch.long and torch.equal(rank, (x > x.gather(1, tokens.unsqueeze(1))).sum(-1) + 1)
+    assert torch.equal(top_ids, _top_k_reference(logits, k))
+    torch.testing.assert_close(top_lp.double(), want.gather(1, top_ids), atol=2e-5, rtol=1e-5)
+    # the torch path gives the same values (its order of equal values is its own)
+    t_lp, t_rank, _, t_top = ref.logprobs(logits, tokens, k)
+    assert torch.equal(rank, t_rank)
+    torch.testing.assert_close(token_lp, t_lp, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(top_lp, t_top, atol=2e-5, rtol=1e-5)
+
+
+def test_logprobs_of_rows_with_nan_or_no_finite_value(ops):
+    """A NaN makes its row's logprobs NaN (as log_softmax's) and ranks lowest in the top k; a row of
+    -inf has NaN logprobs (log_softmax's too); the other rows are unaffected."""
+    cpu, _ = ops
+    logits = torch.randn(4, 40)
+    logits[0, 3] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, :38] = float("nan")
+    tokens = torch.tensor([0, 1, 2, 3])
+    token_lp, _, top_ids, top_lp = cpu.logprobs(logits, tokens, 3)
+    assert token_lp[:3].isnan().all() and top_lp[:3].isnan().all()
+    assert 3 not in top_ids[0].tolist()
+    assert top_ids[2].tolist()[:2] == sorted([38, 39], key=lambda i: -float(logits[2, i]))
+    want = logits[3].log_softmax(-1)
+    torch.testing.assert_close(token_lp[3], want[3])
+    assert torch.equal(top_ids[3], want.topk(3).indices)
+
+
+def test_logprobs_reject_bad_arguments_naming_them(ops):
+    cpu, _ = ops
+    logits = torch.randn(3, 40)
+    op = torch.ops.pagoda_cpu.logprobs_rows
+    for tokens, message in [(torch.tensor([0, 40, 1]), r"tokens\[1\] is 40, outside \[0, 40\)"),
+                            (torch.tensor([0, -1, 1]), r"tokens\[1\] is -1"),
+                            (torch.tensor([0, 1]), r"tokens must be a contiguous int64 \[3\]")]:
+        with pytest.raises(RuntimeError, match=message):
+            cpu.logprobs(logits, tokens, 2)
+    tokens = torch.tensor([0, 1, 2])
+    with pytest.raises(RuntimeError, match=r"topk_ids must be a contiguous int64 \[3, K\] with K <= 40"):
+        op(logits, tokens, torch.empty(3), torch.empty(3, dtype=torch.long), torch.empty(3, 41, dtype=torch.long),
+           torch.empty(3, 41))
+    with pytest.raises(RuntimeError, match=r"topk_lp must be a contiguous float32 \[3, 2\]"):
+        op(logits, tokens, torch.empty(3), torch.empty(3, dtype=torch.long), torch.empty(3, 2, dtype=torch.long),
+           torch.empty(3, 3))
+    with pytest.raises(RuntimeError, match="unsupported dtype"):
+        op(logits.half(), tokens, torch.empty(3), torch.empty(3, dtype=torch.long), torch.empty(3, 2, dtype=torch.long),
+           torch.empty(3, 2))
+    with pytest.raises(RuntimeError, match=r"token_rank must be a contiguous int64 \[3\]"):
+        op(logits, tokens, torch.empty(3), torch.empty(3), torch.empty(3, 2, dtype=torch.long), torch.empty(3, 2))
+    assert cpu.logprobs(logits, tokens, 2)[2].shape == (3, 2)  # and good arguments work
+
+
 # ---- Pagoda's GEMMs: bf16 (CPUs with AVX512-BF16 or AMX-BF16), float32 (CPUs with AVX2 and FMA) --
 
 def test_gemms_run_where_the_cpu_has_their_instructions(ops):

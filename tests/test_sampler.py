@@ -46,8 +46,9 @@ def _seed_global_rng():
     torch.manual_seed(0)
 
 
-# Every test runs on the sampler's torch path and on the C++ kernel the engine takes on CPU
-# (``CpuLayerOps.sample``: filters by selection, one uniform a row), which must obey the same rules.
+# Every test runs on the sampler's torch path and on the C++ kernels the engine takes on CPU
+# (``CpuLayerOps.sample``: filters by selection, one uniform a row; ``CpuLayerOps.logprobs``), which
+# must obey the same rules.
 KERNEL: dict = {}
 
 
@@ -61,7 +62,7 @@ def sampler_path(request):
         from pagoda_kernels.layer_ops import CpuLayerOps
 
         ops = CpuLayerOps()
-        KERNEL.update(argmax=ops.argmax, sample=ops.sample)
+        KERNEL.update(argmax=ops.argmax, sample=ops.sample, logprobs=ops.logprobs)
     yield request.param
     KERNEL.clear()
 
@@ -386,6 +387,9 @@ def test_logprobs_are_of_raw_logits():
     tokens = out.sampled_token_ids
     assert out.sampled_logprobs.dtype == torch.float32
     torch.testing.assert_close(out.sampled_logprobs, raw.gather(1, tokens.unsqueeze(1)).squeeze(1))
+    # each sampled token's rank among the raw logits: 1 + how many are above it
+    above = (logits[:, :vocab] > logits.gather(1, tokens.unsqueeze(1))).sum(-1)
+    assert out.sampled_ranks.dtype == torch.int64 and torch.equal(out.sampled_ranks, above + 1)
     values, ids = raw.topk(5, dim=-1)
     assert out.topk_token_ids.shape == (5, 5) and out.topk_token_ids.dtype == torch.int64
     assert torch.equal(out.topk_token_ids, ids)

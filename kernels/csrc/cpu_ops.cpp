@@ -1148,6 +1148,154 @@ void sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::T
   }
 }
 
+// ---- Logprobs of the raw logits: two passes a row, no [N, V] log_softmax and no sort -------------
+// For row r of x [N, V] (rows contiguous, row stride free): token_lp[r] = x[r][tokens[r]] - m - log(s)
+// with m the row's maximum and s = sum exp(x - m) (torch's log_softmax: a float log of the sum, then
+// (x - m) - that log; the sum in float lanes, added into a double every 1024 tokens), token_rank[r] =
+// 1 + how many logits are above the token's (its rank in the vocabulary, as vLLM's), and the k largest
+// logits' ids and logprobs, largest first, equal values by lower index (torch.topk leaves their order
+// open). A NaN ranks lowest among the top k and makes the row's logprobs NaN, as log_softmax's. The
+// torch path (log_softmax, gather, topk over [N, V] float32, after a float copy of bf16 logits) took
+// ~24 ms for 256 rows of 49152 here (bench/RESULTS.md).
+
+// The k largest of x[0..n) (k <= n), descending, equal values by lower index: the first k by
+// insertion, then one pass that inserts only what beats the current k-th (rarely past the start).
+template <typename T>
+void top_k_row(const T* x, int64_t n, int64_t k, int64_t* ids, float* vals) {
+  auto insert = [&](int64_t c, float v, int64_t i) {  // c values held; the last falls off when c == k
+    int64_t p = std::min(c, k - 1);
+    while (p > 0 && vals[p - 1] < v) {
+      vals[p] = vals[p - 1];
+      ids[p] = ids[p - 1];
+      --p;
+    }
+    vals[p] = v;
+    ids[p] = i;
+  };
+  for (int64_t i = 0; i < k; ++i) {
+    const float v = load(x[i]);
+    insert(i, std::isnan(v) ? -INFINITY : v, i);
+  }
+  float kth = vals[k - 1];
+  int64_t i = k;
+#if PAGODA_EW_AVX512
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16(x + i);
+    __mmask16 gt = _mm512_cmp_ps_mask(v, _mm512_set1_ps(kth), _CMP_GT_OQ);
+    if (!gt) continue;
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, v);
+    for (; gt; gt &= gt - 1) {
+      const int l = __builtin_ctz(gt);
+      if (lanes[l] > kth) {
+        insert(k, lanes[l], i + l);
+        kth = vals[k - 1];
+      }
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = load(x[i]);
+    if (v > kth) {
+      insert(k, v, i);
+      kth = vals[k - 1];
+    }
+  }
+}
+
+// sum exp(x[i] - m) over x[0..n), with torch's vectorised exp (Sleef), and how many x[i] are > xt.
+template <typename T>
+double exp_sum_row(const T* x, int64_t n, float m, float xt, int64_t& above) {
+  double sum = 0.0;
+  int64_t i = 0, count = 0;
+#if PAGODA_EW_AVX512
+  const __m512 vm = _mm512_set1_ps(m), vt = _mm512_set1_ps(xt);
+  while (i + 16 <= n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (const int64_t end = std::min(n, i + 1024); i + 16 <= end; i += 16) {
+      const __m512 v = load16(x + i);
+      acc = _mm512_add_ps(acc, Sleef_expf16_u10(_mm512_sub_ps(v, vm)));
+      count += __builtin_popcount(_mm512_cmp_ps_mask(v, vt, _CMP_GT_OQ));
+    }
+    sum += _mm512_reduce_add_ps(acc);
+  }
+#elif PAGODA_EW_AVX2
+  const __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(xt);
+  while (i + 8 <= n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (const int64_t end = std::min(n, i + 1024); i + 8 <= end; i += 8) {
+      const __m256 v = load8(x + i);
+      acc = _mm256_add_ps(acc, Sleef_expf8_u10(_mm256_sub_ps(v, vm)));
+      count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(v, vt, _CMP_GT_OQ)));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    for (const float l : lanes) sum += l;
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = load(x[i]);
+    sum += std::exp(v - m);
+    count += v > xt;
+  }
+  above = count;
+  return sum;
+}
+
+void logprobs_rows(const at::Tensor& x, const at::Tensor& tokens, at::Tensor& token_lp, at::Tensor& token_rank,
+                   at::Tensor& topk_ids, at::Tensor& topk_lp) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0, "logprobs_rows: x must be [N, V] with contiguous rows, V > 0");
+  const int64_t n = x.size(0), v = x.size(1), stride = x.stride(0), k = topk_ids.dim() == 2 ? topk_ids.size(1) : -1;
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == n && tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
+              "logprobs_rows: tokens must be a contiguous int64 [", n, "]");
+  TORCH_CHECK(token_lp.dim() == 1 && token_lp.size(0) == n && token_lp.scalar_type() == at::kFloat && token_lp.is_contiguous(),
+              "logprobs_rows: token_lp must be a contiguous float32 [", n, "]");
+  TORCH_CHECK(token_rank.dim() == 1 && token_rank.size(0) == n && token_rank.scalar_type() == at::kLong &&
+                  token_rank.is_contiguous(),
+              "logprobs_rows: token_rank must be a contiguous int64 [", n, "]");
+  TORCH_CHECK(k >= 0 && k <= v && topk_ids.size(0) == n && topk_ids.scalar_type() == at::kLong && topk_ids.is_contiguous(),
+              "logprobs_rows: topk_ids must be a contiguous int64 [", n, ", K] with K <= ", v);
+  TORCH_CHECK(topk_lp.dim() == 2 && topk_lp.size(0) == n && topk_lp.size(1) == k && topk_lp.scalar_type() == at::kFloat &&
+                  topk_lp.is_contiguous(),
+              "logprobs_rows: topk_lp must be a contiguous float32 [", n, ", ", k, "]");
+  const int64_t* t = tokens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(t[r] >= 0 && t[r] < v, "logprobs_rows: tokens[", r, "] is ", t[r], ", outside [0, ", v, ")");
+  float* lp = token_lp.data_ptr<float>();
+  int64_t* rank = token_rank.data_ptr<int64_t>();
+  int64_t* ids = topk_ids.data_ptr<int64_t>();
+  float* top = topk_lp.data_ptr<float>();
+  auto run = [&](const auto* base) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(n * v))
+    for (int64_t r = 0; r < n; ++r) {
+      const auto* xr = base + r * stride;
+      float m;
+      if (k > 0) {
+        top_k_row(xr, v, k, ids + r * k, top + r * k);
+        m = top[r * k];  // NaN ranks lowest, so a NaN row's maximum is still a number; its sum is not
+      } else {
+        m = load(xr[argmax_row(xr, v)]);
+      }
+      const float xt = load(xr[t[r]]);
+      int64_t above;
+      const float lse = std::log(static_cast<float>(exp_sum_row(xr, v, m, xt, above)));
+      lp[r] = (xt - m) - lse;
+      rank[r] = above + 1;
+      for (int64_t j = 0; j < k; ++j) top[r * k + j] = (top[r * k + j] - m) - lse;
+    }
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      run(x.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      run(static_cast<const bf16_t*>(x.data_ptr()));
+      break;
+    default:
+      TORCH_CHECK(false, "logprobs_rows: unsupported dtype ", x.scalar_type());
+  }
+}
+
 // ---- GEMMs of our own: bf16 on AMX tiles or AVX512-BF16 dot products, float32 on FMAs ------------
 // y = x @ W^T for x [M, K] and a weight packed once by gemm_pack_weight, 64 output columns per block:
 //   bf16: [N/64][K/2][64][2], the VNNI pair layout both bf16 instruction sets read;
@@ -2023,6 +2171,9 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
         "Tensor? penalties, Tensor? prompt_ids, Tensor? prompt_starts, Tensor? output_ids, Tensor? output_starts, "
         "Tensor? banned_ids, Tensor? banned_starts, Tensor(a!) out) -> ()");
   m.impl("sample_rows", c10::DispatchKey::CPU, TORCH_FN(sample_rows));
+  m.def("logprobs_rows(Tensor x, Tensor tokens, Tensor(a!) token_lp, Tensor(b!) token_rank, Tensor(c!) topk_ids, "
+        "Tensor(d!) topk_lp) -> ()");
+  m.impl("logprobs_rows", c10::DispatchKey::CPU, TORCH_FN(logprobs_rows));
   m.def("gemm_supported() -> bool", TORCH_FN(gemm_supported));
   m.def("gemm_uses_amx() -> bool", TORCH_FN(gemm_uses_amx));
   m.def("gemm_f32_supported() -> bool", TORCH_FN(gemm_f32_supported));
