@@ -17,7 +17,7 @@ from engine_service.config import EngineConfig
 from engine_service.detokenizer import IncrementalDetokenizer
 from engine_service.model_loader import (generation_eos_token_ids, iterate_weights, load_config,
                                          load_tokenizer, resolve_model_dir)
-from engine_service.model_runner import ModelRunner, kv_bytes_per_block
+from engine_service.model_runner import ModelRunner, PromptLogprobs, kv_bytes_per_block
 from engine_service.outputs import CompletionOutput, Logprob, RequestOutput
 from engine_service.sampler import SamplerOutput, make_generator
 from engine_service.sampling_params import RequestOutputKind, SamplingParams
@@ -99,9 +99,6 @@ class LLMEngine:
         params = (params or SamplingParams()).clone()
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
-        if params.prompt_logprobs is not None:
-            # Refused rather than silently ignored until the runner computes prompt-position logits.
-            raise ValueError("SamplingParams.prompt_logprobs is not supported by this engine yet; leave it None")
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
             if asked is not None and asked > self.config.max_logprobs:
@@ -118,7 +115,7 @@ class LLMEngine:
         params.min_tokens = min(params.min_tokens, params.max_tokens)
         request = Request(request_id, text, token_ids, params,
                           RequestMetrics(arrival_time if arrival_time is not None else time.time()), priority,
-                          grammar_key=grammar_key)
+                          grammar_key=grammar_key, prompt_logprobs=None if params.prompt_logprobs is None else [None])
         seq = self._new_sequence(request, 0, list(token_ids))
         seq.num_pending_forks = params.n - 1
         self.requests[request_id] = request
@@ -190,8 +187,10 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
             if seq.num_pending_forks and seq.num_computed_tokens + n == seq.num_tokens:
                 forks[seq.seq_id] = self._fork(seq, seq.num_computed_tokens + n)
-        sampled, sampler_out = self.runner.execute(
+        sampled, sampler_out, prompt_logprobs = self.runner.execute(
             out, forks, self._structured_output if self.num_structured_requests else None)
+        if prompt_logprobs:
+            self._record_prompt_logprobs(prompt_logprobs)
         for seq, n in zip(out.seqs, out.num_new_tokens):
             # A draft's positions count as computed once accepted (in _process).
             seq.num_computed_tokens += n - len(seq.spec_token_ids)
@@ -289,6 +288,20 @@ class LLMEngine:
             rows.append((lps[row], entry))
         return rows
 
+    @staticmethod
+    def _record_prompt_logprobs(scored: list[PromptLogprobs]) -> None:
+        """Append each chunk's prompt logprobs to its request's: per position, the prompt token's
+        logprob and rank and the top ``prompt_logprobs`` (ranks 1..k), as vLLM's ``prompt_logprobs``."""
+        for pl in scored:
+            entries = pl.request.prompt_logprobs
+            assert len(entries) == pl.first, (len(entries), pl.first)  # in order, each position once
+            k = pl.request.params.prompt_logprobs
+            targets = pl.request.prompt_token_ids[pl.first:pl.first + len(pl.logprobs)]
+            for target, lp, rank, ids, tops in zip(targets, pl.logprobs, pl.ranks, pl.top_ids, pl.top_logprobs):
+                entry = {tid: Logprob(top, r) for r, (tid, top) in enumerate(zip(ids[:k], tops[:k]), start=1)}
+                entry.setdefault(target, Logprob(lp, rank))
+                entries.append(entry)
+
     def _advance_grammar(self, seq: Sequence, token: int) -> bool:
         """Move the sequence's grammar past ``token``; True when the grammar is complete (stop there)."""
         if not seq.grammar.accept(token):
@@ -357,4 +370,5 @@ class LLMEngine:
             finished=finished,
             metrics=request.metrics,
             num_cached_tokens=request.seqs[0].num_cached_tokens if request.seqs else 0,
+            prompt_logprobs=request.prompt_logprobs,
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,11 +18,31 @@ from engine_service.config import EngineConfig
 from engine_service.models.llama import KeptRows, LlamaForCausalLM
 from engine_service.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_service.scheduler import SchedulerOutput
-from engine_service.sequence import Sequence
+from engine_service.sequence import Request, Sequence
 from pagoda_kernels.attention import AttentionMetadata, get_attention_backend
 from pagoda_kernels.layer_ops import get_layer_ops
 
 logger = logging.getLogger(__name__)
+
+
+# Rows of prompt-logprob logits at a time: [512, vocab] float32 is ~100 MB for the bundled model's
+# 49152 tokens, where a 2048-token chunk's at once would be 400 MB.
+PROMPT_LOGPROBS_ROWS = 512
+
+
+@dataclass
+class PromptLogprobs:
+    """One prefill chunk's prompt logprobs for a request that asked for them: entries ``first`` ..
+    ``first + len(logprobs) - 1`` of its ``prompt_logprobs`` (entry j: prompt token j, scored by the
+    logits of position j - 1). Per entry: the token's logprob and rank, the top K ids and logprobs
+    (K the batch's largest ask)."""
+
+    request: Request
+    first: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
 
 
 def kv_bytes_per_block(model_config, config: EngineConfig) -> int:
@@ -151,17 +172,38 @@ class ModelRunner:
         self.attn.prepare(kmeta, self.block_size)
         return self.model.kept_rows(kept_rows.to(self.device), kmeta), torch.searchsorted(kept_rows, rows)
 
+    def _prompt_logprobs(self, hidden: torch.Tensor, scored: list[tuple[Sequence, int, int, int]]
+                         ) -> list[PromptLogprobs]:
+        """The prompt logprobs of ``scored`` chunks: (sequence, its first position to score, that
+        position's row in ``hidden``, how many), each position scoring the prompt token after it,
+        from the LM head's logits ``PROMPT_LOGPROBS_ROWS`` rows at a time."""
+        rows = torch.cat([torch.arange(row, row + n) for _, _, row, n in scored])
+        targets = torch.cat([torch.tensor(s.request.prompt_token_ids[p + 1:p + 1 + n]) for s, p, _, n in scored])
+        k = min(max(s.params.prompt_logprobs for s, *_ in scored), self.vocab_size)
+        parts = []
+        for i in range(0, rows.shape[0], PROMPT_LOGPROBS_ROWS):
+            logits = self.model.compute_logits(hidden.index_select(0, rows[i:i + PROMPT_LOGPROBS_ROWS].to(hidden.device)))
+            parts.append(self.sampler.logprobs(logits[:, :self.vocab_size], targets[i:i + PROMPT_LOGPROBS_ROWS], k))
+        lps, ranks, top_ids, top_lps = (torch.cat(x).tolist() for x in zip(*parts))
+        out, i = [], 0
+        for s, p, _, n in scored:
+            out.append(PromptLogprobs(s.request, p + 1, lps[i:i + n], ranks[i:i + n], top_ids[i:i + n],
+                                      top_lps[i:i + n]))
+            i += n
+        return out
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, forks: dict[int, list[Sequence]],
-                structured_output=None) -> tuple[list[Sequence], SamplerOutput | None]:
+    def execute(self, out: SchedulerOutput, forks: dict[int, list[Sequence]], structured_output=None
+                ) -> tuple[list[Sequence], SamplerOutput | None, list[PromptLogprobs]]:
         """Run one step. Returns the sequences that got a new token (in row order; a sequence with
-        a speculative draft once per verified position, in consecutive rows) and the sampler's
-        output. ``forks`` maps a parent seq_id to the children that sample from the parent's logits
-        row this step (``n > 1``). ``structured_output`` (a ``StructuredOutputManager``) is passed
-        only while some live request is constrained."""
+        a speculative draft once per verified position, in consecutive rows), the sampler's output,
+        and the prompt logprobs this step's prefill chunks computed for the requests that asked.
+        ``forks`` maps a parent seq_id to the children that sample from the parent's logits row
+        this step (``n > 1``). ``structured_output`` (a ``StructuredOutputManager``) is passed only
+        while some live request is constrained."""
         self._move_blocks(out)
         if not out.seqs:
-            return [], None
+            return [], None, []
         # Decodes first, then prefill chunks. A decode with a speculative draft is 1 + len(draft)
         # decode rows, one per position (consecutive), each attending as a plain decode of that
         # position would: the decode kernel runs them as one item that reads the context once, and
@@ -239,15 +281,32 @@ class ModelRunner:
                 for target in (s, *forks.get(s.seq_id, ())):
                     rows.append(last)
                     sampled.append(target)
+        # Prompt logprobs: the rows of a chunk whose next token is a prompt token its request has no
+        # logprob for yet (a recompute after preemption scores nothing twice). With the chunk's
+        # sampled row they are its last rows, as the last layer's kept rows must be.
+        scored = []  # (sequence, first position, its row, rows)
+        for i in range(bd, b):
+            s = seqs[i]
+            if s.request.prompt_logprobs is not None:
+                lo = max(starts[i], len(s.request.prompt_logprobs) - 1)
+                hi = min(starts[i] + num_new[i], s.num_prompt_tokens - 1)
+                if lo < hi:
+                    scored.append((s, lo, cu_list[i] + lo - starts[i], hi - lo))
         # rows_t: where each sampled row's final hidden state is in the forward's output.
         keep, rows_t = None, torch.tensor(rows, dtype=torch.int64)
         if self.prune_last_layer and b > bd and self.attn.prefill_rows_independent(self.dtype):
-            keep, rows_t = self._kept_rows(rows_t, meta, seq_idx, t, bd)
+            scored_rows = [torch.arange(row, row + n) for _, _, row, n in scored]
+            keep, kept_at = self._kept_rows(torch.cat([rows_t, *scored_rows]), meta, seq_idx, t, bd)
+            rows_t = kept_at[:len(rows)]
+            if scored:  # each scored run's rows are consecutive among the kept ones too
+                firsts = kept_at[len(rows) + torch.tensor([0, *(n for *_, n in scored)][:-1]).cumsum(0)].tolist()
+                scored = [(s, p, row, n) for (s, p, _, n), row in zip(scored, firsts)]
 
         hidden = self.model(torch.tensor(input_ids, device=self.device), positions.to(self.device),
                             self.kv_caches, meta, self.attn, self.layer_ops, keep)
+        prompt_logprobs = self._prompt_logprobs(hidden, scored) if scored else []
         if not rows:
-            return [], None
+            return [], None, prompt_logprobs
         hidden = hidden.index_select(0, rows_t.to(self.device))
         batch = SamplingBatch(
             params=[s.params for s in sampled],
@@ -261,5 +320,5 @@ class ModelRunner:
             # same index as the sampler's argmax of the logits, which are then never written).
             tokens = self.model.greedy_tokens(hidden, self.sampler.vocab_size)
             if tokens is not None:
-                return sampled, SamplerOutput(tokens, None, None, None)
-        return sampled, self.sampler(self.model.compute_logits(hidden), batch)
+                return sampled, SamplerOutput(tokens, None, None, None), prompt_logprobs
+        return sampled, self.sampler(self.model.compute_logits(hidden), batch), prompt_logprobs

@@ -155,7 +155,8 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + 1 + seq.num_pending_forks > self.config.max_num_seqs:
                 break
-            computed = bm.get_computed_blocks(seq)
+            # (a prompt whose logprobs are asked for is computed whole: a cache hit would skip rows)
+            computed = bm.get_computed_blocks(seq) if not seq.needs_prompt_logprobs else []
             num_new = seq.num_tokens - seq.num_computed_tokens - len(computed) * bs
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:

@@ -99,6 +99,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some of its prompt's logprobs are still to compute (its prefill may not skip
+        prompt tokens through the prefix cache then)."""
+        scored = self.request.prompt_logprobs
+        return scored is not None and len(scored) < self.num_prompt_tokens
+
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request.request_id}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, status={self.status.name})")
@@ -116,6 +123,10 @@ class Request:
     priority: int = 0
     seqs: list[Sequence] = field(default_factory=list)
     grammar_key: tuple[str, str] | None = None  # the compiled structured_outputs constraint, if any
+    # With params.prompt_logprobs: entry j holds prompt token j's logprob and the top ones at its
+    # position ({token id: Logprob}; entry 0 is None: nothing precedes the first token), filled as
+    # the prefill chunks run.
+    prompt_logprobs: list | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

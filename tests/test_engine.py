@@ -259,8 +259,8 @@ def test_bad_requests_fail_alone(tiny_llama_dir, prompts, reference):
         engine.add_request("oov", [1, 2, 49152], GREEDY)
     with pytest.raises(ValueError, match=r"logprobs is 21, above this engine's max_logprobs \(20\)"):
         engine.add_request("lp", [1, 2], SamplingParams(logprobs=21))
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
-        engine.add_request("plp", [1, 2], SamplingParams(prompt_logprobs=1))
+    with pytest.raises(ValueError, match=r"prompt_logprobs is 21, above this engine's max_logprobs \(20\)"):
+        engine.add_request("plp", [1, 2], SamplingParams(prompt_logprobs=21))
     assert not engine.has_unfinished_requests()
     batch = [{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": [7] * 500}, {"prompt_token_ids": prompts[1]}, ""]
     outputs = llm.generate(batch, GREEDY, use_tqdm=False)
@@ -292,6 +292,40 @@ def test_logprobs_match_transformers(tiny_llama_dir, hf_tiny, prompts, reference
         assert entry[tok].logprob == pytest.approx(float(ref[tok]), abs=1e-4)
         total += entry[tok].logprob
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["default", "chunked-prefill", "preempt-recompute", "torch-attention"])
+def test_prompt_logprobs_match_transformers(tiny_llama_dir, hf_tiny, prompts, reference, schedule):
+    """Each prompt token's logprob (and rank) under the logits of the position before it, and the top
+    k there, as transformers computes them, whether the prompt ran in one chunk or several, was
+    preempted and recomputed, or shares a prefix the cache already holds (it is computed whole, so
+    every position is scored); the completions are the same greedy tokens."""
+    llm = LLM(tiny_llama_dir, dtype="float32", **SCHEDULES[schedule])
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    if schedule == "default":  # the shared prefixes in the cache first
+        llm.generate(batch[-2:], GREEDY, use_tqdm=False)
+    ks = [i % 3 for i in range(len(prompts))]  # 0, 1, 2 top logprobs, in one batch
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=k) for k in ks]
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    for i, (out, p, k) in enumerate(zip(outputs, prompts, ks)):
+        assert out.outputs[0].token_ids == reference[i]
+        assert out.num_cached_tokens == 0
+        scored = out.prompt_logprobs
+        assert len(scored) == len(p) and scored[0] is None, (i, len(scored))
+        if len(p) == 1:
+            continue
+        with torch.no_grad():
+            logp = torch.log_softmax(hf_tiny(torch.tensor([p])).logits[0, :-1].float(), -1)
+        for j, entry in enumerate(scored[1:], start=1):
+            ref = logp[j - 1]
+            got = entry[p[j]]
+            assert got.logprob == pytest.approx(float(ref[p[j]]), abs=1e-4), (i, j)
+            lo, hi = int((ref > got.logprob + 1e-4).sum()) + 1, int((ref > got.logprob - 1e-4).sum()) + 1
+            assert lo <= got.rank <= hi, (i, j, got.rank, lo, hi)
+            assert sorted(entry, key=lambda t: entry[t].rank)[:k] == ref.topk(k).indices.tolist(), (i, j)
+            assert set(entry) <= {p[j], *ref.topk(k).indices.tolist()}
+    if schedule == "preempt-recompute":
+        assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
 _KERNELS_PROBE = """
