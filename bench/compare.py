@@ -29,8 +29,8 @@ beside them. Use an odd count: the host's noise is ±5-15% from one run to the n
 ``--temperature T [--top-p P] [--top-k K]`` samples instead of greedy decoding, Pagoda and vLLM
 alike (each with its own random numbers; ``ignore_eos`` keeps the workload's output lengths): what
 most traffic asks for, and where an engine's sampler shows. ``--logprobs N`` has every request ask
-for its tokens' logprobs and N top ones (evaluation runs do). The targets are judged on greedy W
-without logprobs only.
+for its tokens' logprobs and N top ones, ``--prompt-logprobs N`` for its prompt tokens' (evaluation
+runs do both). The targets are judged on greedy W without logprobs only.
 
 ``--max-num-batched-tokens N`` gives Pagoda and vLLM both that step budget. Without it each takes
 its own default, 2048 tokens for both (vLLM's ``EngineArgs`` default, which this command's
@@ -247,8 +247,9 @@ def engine_command(engine: str, args) -> tuple[str, list[str], dict]:
         cmd += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
     if engine in ("pagoda", "vllm") and args.temperature > 0:
         cmd += ["--temperature", str(args.temperature), "--top-p", str(args.top_p), "--top-k", str(args.top_k)]
-    if engine in ("pagoda", "vllm") and args.logprobs is not None:
-        cmd += ["--logprobs", str(args.logprobs)]
+    for name in ("logprobs", "prompt_logprobs"):
+        if engine in ("pagoda", "vllm") and getattr(args, name) is not None:
+            cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return py, cmd, env
 
 
@@ -326,6 +327,9 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=0, help="with --temperature (0: all tokens)")
     ap.add_argument("--logprobs", type=int, default=None,
                     help="Pagoda and vLLM alike: every request asks for its tokens' logprobs and this many top ones")
+    ap.add_argument("--prompt-logprobs", type=int, default=None,
+                    help="Pagoda and vLLM alike: every request asks for its prompt tokens' logprobs and this many "
+                         "top ones")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--repeat", type=int, default=1, help="run the engine list this many times, round-robin")
     args = ap.parse_args()
@@ -341,6 +345,8 @@ def main() -> int:
         ap.error(f"--top-k must be >= 0 (0: all tokens), got {args.top_k}")
     if args.logprobs is not None and args.logprobs < 0:
         ap.error(f"--logprobs must be >= 0 (0: the sampled token's alone), got {args.logprobs}")
+    if args.prompt_logprobs is not None and args.prompt_logprobs < 0:
+        ap.error(f"--prompt-logprobs must be >= 0 (0: each prompt token's alone), got {args.prompt_logprobs}")
 
     digest = source_digest()
     print(f"Pagoda {revision()} (sources {digest})", flush=True)
@@ -412,7 +418,8 @@ def main() -> int:
     digest_end = source_digest()
     sampled = ", ".join(([f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"]
                          if args.temperature > 0 else [])
-                        + ([f"logprobs {args.logprobs}"] if args.logprobs is not None else [])) or None
+                        + [f"{name} {getattr(args, name)}" for name in ("logprobs", "prompt_logprobs")
+                           if getattr(args, name) is not None]) or None
     for line in closing_lines(pagoda, results, args.dtype, (digest, digest_end), bool(args.num_speculative_tokens),
                               sampled):
         print(line)

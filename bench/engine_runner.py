@@ -59,13 +59,14 @@ def drive(engine, add, requests) -> dict:
 
 def sampling_fields(args) -> dict:
     """The requests' sampling settings: greedy (the workload's own), or --temperature with
-    --top-p / --top-k, and --logprobs (the same for Pagoda and vLLM; output lengths stay the
-    workload's, by ``ignore_eos``)."""
+    --top-p / --top-k, and --logprobs / --prompt-logprobs (the same for Pagoda and vLLM; output
+    lengths stay the workload's, by ``ignore_eos``)."""
     fields = {"temperature": getattr(args, "temperature", 0.0)}
     if fields["temperature"] > 0:
         fields.update(top_p=args.top_p, top_k=args.top_k)
-    if getattr(args, "logprobs", None) is not None:
-        fields["logprobs"] = args.logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(args, name, None) is not None:
+            fields[name] = getattr(args, name)
     return fields
 
 
@@ -269,6 +270,8 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--top-k", type=int, default=0, help="pagoda, vllm: with --temperature (0: all tokens)")
     ap.add_argument("--logprobs", type=int, default=None,
                     help="pagoda, vllm: every request asks for the sampled token's logprob and this many top ones")
+    ap.add_argument("--prompt-logprobs", type=int, default=None,
+                    help="pagoda, vllm: every request asks for its prompt tokens' logprobs and this many top ones")
 
 
 def main() -> int:

@@ -267,7 +267,8 @@ class LLMEngine:
         return False
 
     def _logprob_rows(self, sampled: list[Sequence], so: SamplerOutput, token_ids: list[int]):
-        """Per row: (sampled token's logprob, {token id: Logprob} with the top-k and the sampled token)."""
+        """Per row: (sampled token's logprob, {token id: Logprob} with the top k first, by rank, then the
+        sampled token where it is not among them)."""
         if so.sampled_logprobs is None:
             return None
         lps = so.sampled_logprobs.tolist()
@@ -290,8 +291,9 @@ class LLMEngine:
 
     @staticmethod
     def _record_prompt_logprobs(scored: list[PromptLogprobs]) -> None:
-        """Append each chunk's prompt logprobs to its request's: per position, the prompt token's
-        logprob and rank and the top ``prompt_logprobs`` (ranks 1..k), as vLLM's ``prompt_logprobs``."""
+        """Append each chunk's prompt logprobs to its request's: per position, the top
+        ``prompt_logprobs`` (ranks 1..k) first, then the prompt token with its logprob and rank where
+        it is not among them, as vLLM's ``prompt_logprobs``."""
         for pl in scored:
             entries = pl.request.prompt_logprobs
             assert len(entries) == pl.first, (len(entries), pl.first)  # in order, each position once

@@ -9,6 +9,7 @@ a grace period, then cancels the rest (which aborts their requests) and stops th
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import time
@@ -40,7 +41,8 @@ _ERROR_CODES = ((ValueError, grpc.StatusCode.INVALID_ARGUMENT), (DuplicateReques
                 (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED), (StreamOverrun, grpc.StatusCode.RESOURCE_EXHAUSTED),
                 (EngineUnavailable, grpc.StatusCode.UNAVAILABLE))
 # Proto fields that are `optional` because their default is not zero; unset means SamplingParams' default.
-_OPTIONAL_PARAMS = ("n", "temperature", "top_p", "repetition_penalty", "seed", "logprobs", "skip_special_tokens")
+_OPTIONAL_PARAMS = ("n", "temperature", "top_p", "repetition_penalty", "seed", "logprobs", "skip_special_tokens",
+                    "prompt_logprobs")
 
 
 def structured_outputs_from_proto(p: common_pb2.StructuredOutputs) -> StructuredOutputsParams | None:
@@ -78,8 +80,10 @@ def _error_code(error: Exception) -> grpc.StatusCode:
 class _ResponseBuilder:
     """Turns the outputs buffered since the last message into one ``EngineGenerateResponse``."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, params: SamplingParams):
         self.request_id = request_id
+        self.logprobs = params.logprobs or 0  # top alternatives a position carries
+        self.prompt_logprobs = params.prompt_logprobs  # None once sent (with the first message)
         self.done: set[int] = set()  # completions whose final chunk was sent
 
     def build(self, outputs: list[RequestOutput]) -> engine_pb2.EngineGenerateResponse:
@@ -94,7 +98,7 @@ class _ResponseBuilder:
                 chunk.text += c.delta_text
                 chunk.token_ids.extend(c.delta_token_ids)
                 if c.delta_logprobs:
-                    chunk.logprobs.extend(_logprobs(c.delta_token_ids, c.delta_logprobs))
+                    chunk.logprobs.extend(_logprobs(c.delta_token_ids, c.delta_logprobs, self.logprobs))
                 if c.finish_reason:
                     self.done.add(c.index)
                     chunk.finish_reason = _FINISH_REASONS[c.finish_reason]
@@ -105,6 +109,10 @@ class _ResponseBuilder:
         response = engine_pb2.EngineGenerateResponse(request_id=self.request_id,
                                                chunks=[chunks[i] for i in sorted(chunks)])
         last = outputs[-1]
+        if self.prompt_logprobs is not None and last.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(
+                _logprobs(last.prompt_token_ids[1:], last.prompt_logprobs[1:], self.prompt_logprobs))
+            self.prompt_logprobs = None
         if last.finished:
             response.finished = True
             response.usage.prompt_tokens = len(last.prompt_token_ids)
@@ -119,11 +127,13 @@ class _ResponseBuilder:
         return response
 
 
-def _logprobs(token_ids: list[int], positions: list[dict]) -> list[common_pb2.PositionLogprobs]:
+def _logprobs(token_ids: list[int], positions: list[dict], k: int) -> list[common_pb2.PositionLogprobs]:
+    """Each position's token and its top ``k``: an entry's first ``k`` items (the engine puts the top
+    ones first, by rank, and the token's own after them when it is not among them)."""
     result = []
     for token_id, entry in zip(token_ids, positions):
         sampled = entry[token_id]
-        top = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
+        top = itertools.islice(entry.items(), k)
         result.append(common_pb2.PositionLogprobs(
             sampled=common_pb2.TokenLogprob(token_id=token_id, logprob=sampled.logprob, rank=sampled.rank),
             top=[common_pb2.TokenLogprob(token_id=tid, logprob=lp.logprob, rank=lp.rank) for tid, lp in top]))
@@ -153,7 +163,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             stream = await self.engine.add_request(request_id, prompt, params, request.priority, arrival_time)
         except (ValueError, DuplicateRequestId, QueueFull, EngineUnavailable) as e:
             await self._abort_rpc(context, log, e)
-        builder = _ResponseBuilder(request_id)
+        builder = _ResponseBuilder(request_id, params)
         self.server.stream_opened()
         try:
             while True:

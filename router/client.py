@@ -48,6 +48,7 @@ class Result:
     outputs: list[Completion]
     usage: common_pb2.Usage
     timings: common_pb2.Timings
+    prompt_logprobs: list = field(default_factory=list)  # PositionLogprobs of prompt tokens 1.., when asked
 
     @property
     def text(self) -> str:
@@ -84,12 +85,14 @@ class _Accumulator:
         self.outputs: dict[int, Completion] = {}
         self.usage = common_pb2.Usage()
         self.timings = common_pb2.Timings()
+        self.prompt_logprobs: list = []
 
     def add(self, r: router_pb2.GenerateResponse) -> None:
         c = self.outputs.setdefault(r.index, Completion(index=r.index))
         c.text += r.text
         c.token_ids.extend(r.token_ids)
         c.logprobs.extend(r.logprobs)
+        self.prompt_logprobs.extend(r.prompt_logprobs)
         if r.finish_reason:
             c.finish_reason = r.finish_reason
         if r.finished:
@@ -97,7 +100,8 @@ class _Accumulator:
             self.timings.CopyFrom(r.timings)
 
     def result(self) -> Result:
-        return Result(self.request_id, [self.outputs[i] for i in sorted(self.outputs)], self.usage, self.timings)
+        return Result(self.request_id, [self.outputs[i] for i in sorted(self.outputs)], self.usage, self.timings,
+                      self.prompt_logprobs)
 
 
 def _metadata(token: str | None, metadata: Sequence[tuple[str, str]] | None) -> tuple:

@@ -521,6 +521,10 @@ class RouterServer:
             if response.finish_reason:
                 progress.finish_reasons.append(response.finish_reason)
             out.append(response)
+        if message.prompt_logprobs:
+            if not out:
+                out.append(router_pb2.GenerateResponse(request_id=request_id))
+            out[0].prompt_logprobs.extend(message.prompt_logprobs)
         if message.finished:
             if not out:
                 out.append(router_pb2.GenerateResponse(request_id=request_id))
@@ -850,6 +854,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             c.text += response.text
             c.token_ids.extend(response.token_ids)
             c.logprobs.extend(response.logprobs)
+            result.prompt_logprobs.extend(response.prompt_logprobs)
             if response.finish_reason:
                 c.finish_reason = response.finish_reason
             which = response.WhichOneof("stop_reason")

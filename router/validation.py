@@ -95,6 +95,8 @@ def _check_sampling(p: common_pb2.SamplingParams, limits: Limits, model: ModelLi
         fail("min_tokens", f"< max_model_len ({model.max_model_len})")
     if p.HasField("logprobs") and p.logprobs > model.max_logprobs:
         fail("logprobs", f"<= max_logprobs ({model.max_logprobs})")
+    if p.HasField("prompt_logprobs") and p.prompt_logprobs > model.max_logprobs:
+        fail("prompt_logprobs", f"<= max_logprobs ({model.max_logprobs})")
     if len(p.stop) > limits.max_stop:
         fail("stop", f"at most {limits.max_stop} strings", f"{len(p.stop)} strings")
     for s in p.stop:

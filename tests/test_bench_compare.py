@@ -113,7 +113,7 @@ def test_step_budget_goes_to_pagoda_and_vllm_only(compare, tmp_path, monkeypatch
     monkeypatch.setattr("engine_service.model_loader.resolve_model_dir", lambda name: "/model")  # no GGUF conversion
     args = compare.argparse.Namespace(dtype="bfloat16", workload="W", hf_workload="W-small", matmul_dtype=None,
                                       num_speculative_tokens=0, max_num_batched_tokens=4096, temperature=0.0,
-                                      top_p=1.0, top_k=0, logprobs=None)
+                                      top_p=1.0, top_k=0, logprobs=None, prompt_logprobs=None)
     for engine in ("pagoda", "vllm", "hf-single"):
         py, cmd, env = compare.engine_command(engine, args)
         budget = cmd[cmd.index("--max-num-batched-tokens") + 1] if "--max-num-batched-tokens" in cmd else None
@@ -123,24 +123,26 @@ def test_step_budget_goes_to_pagoda_and_vllm_only(compare, tmp_path, monkeypatch
     args.max_num_batched_tokens = None
     assert "--max-num-batched-tokens" not in compare.engine_command("pagoda", args)[1]
     plain = compare.engine_command("pagoda", args)[1]
-    assert "--temperature" not in plain and "--logprobs" not in plain  # greedy: the workload's own
+    assert not {"--temperature", "--logprobs", "--prompt-logprobs"} & set(plain)  # greedy: the workload's own
     # Sampling settings reach Pagoda and vLLM alike, and no baseline that cannot take them.
-    args.temperature, args.top_p, args.top_k, args.logprobs = 0.8, 0.95, 40, 0
+    args.temperature, args.top_p, args.top_k, args.logprobs, args.prompt_logprobs = 0.8, 0.95, 40, 0, 2
     for engine in ("pagoda", "vllm", "hf-single"):
         cmd = compare.engine_command(engine, args)[1]
         if engine == "hf-single":
-            assert "--temperature" not in cmd and "--logprobs" not in cmd
+            assert "--temperature" not in cmd and "--logprobs" not in cmd and "--prompt-logprobs" not in cmd
         else:
             i = cmd.index("--temperature")
             assert cmd[i:i + 6] == ["--temperature", "0.8", "--top-p", "0.95", "--top-k", "40"], (engine, cmd)
             assert cmd[cmd.index("--logprobs") + 1] == "0", (engine, cmd)
+            assert cmd[cmd.index("--prompt-logprobs") + 1] == "2", (engine, cmd)
 
 
 @pytest.mark.parametrize("option,value,message", [("--temperature", "-0.5", "--temperature must be >= 0"),
                                                   ("--top-p", "0", "--top-p must be in (0, 1]"),
                                                   ("--top-p", "1.5", "--top-p must be in (0, 1]"),
                                                   ("--top-k", "-3", "--top-k must be >= 0"),
-                                                  ("--logprobs", "-1", "--logprobs must be >= 0")])
+                                                  ("--logprobs", "-1", "--logprobs must be >= 0"),
+                                                  ("--prompt-logprobs", "-2", "--prompt-logprobs must be >= 0")])
 def test_bad_sampling_options_are_refused_before_anything_runs(option, value, message):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), option, value],
                          capture_output=True, text=True, timeout=60)

@@ -205,6 +205,45 @@ def test_64_concurrent_greedy_streams_equal_offline_generate(bundled_server, off
 
 
 @pytest.mark.slow
+def test_logprobs_and_prompt_logprobs_stream_as_offline_generate_gives_them(bundled_server, offline):
+    """Each position's token, logprob and rank and its top `logprobs` (exactly that many, by rank;
+    the sampled token's own entry beside them when it is not among them), and the prompt tokens'
+    `prompt_logprobs` on the stream's first message only: what LLM.generate returns, field for field."""
+    prompts, k, kp = PROMPTS[:4], 3, 2
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=k, prompt_logprobs=kp)
+    expected = offline.generate(prompts, params, use_tqdm=False)
+
+    async def main():
+        async with grpc.aio.insecure_channel(bundled_server.target) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            return await asyncio.gather(*(
+                generate(stub, request(f"lp-{i}", p, temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=k,
+                                       prompt_logprobs=kp))
+                for i, p in enumerate(prompts)))
+
+    def same(position: common_pb2.PositionLogprobs, token: int, entry: dict, top: int):
+        assert position.sampled.token_id == token
+        assert position.sampled.logprob == pytest.approx(entry[token].logprob, abs=1e-6)
+        assert position.sampled.rank == entry[token].rank
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]
+        assert [(t.token_id, t.rank) for t in position.top] == [(tid, lp.rank) for tid, lp in ranked]
+        assert [t.rank for t in position.top] == list(range(1, top + 1))
+
+    for got, want in zip(asyncio.run(main()), expected):
+        c = want.outputs[0]
+        assert got.token_ids == c.token_ids
+        positions = [lp for m in got.messages for chunk in m.chunks for lp in chunk.logprobs]
+        assert len(positions) == len(c.token_ids)
+        for position, token, entry in zip(positions, c.token_ids, c.logprobs):
+            same(position, token, entry, k)
+        first, *rest = got.messages
+        assert all(not m.prompt_logprobs for m in rest)
+        assert len(first.prompt_logprobs) == len(want.prompt_token_ids) - 1 and want.prompt_logprobs[0] is None
+        for position, token, entry in zip(first.prompt_logprobs, want.prompt_token_ids[1:], want.prompt_logprobs[1:]):
+            same(position, token, entry, kp)
+
+
+@pytest.mark.slow
 def test_cancel_half_of_32_streams_frees_their_blocks(bundled_server, offline):
     prompts = PROMPTS[:32]
     keep = [i % 2 == 0 for i in range(32)]

@@ -169,6 +169,7 @@ def test_bad_input_is_refused_naming_the_field_and_nothing_is_queued(fleet):
         (router_pb2.GenerateRequest(prompt="x", sampling=S(n=0)), "sampling.n"),
         (router_pb2.GenerateRequest(prompt="x", sampling=S(n=100)), "sampling.n"),
         (router_pb2.GenerateRequest(prompt="x", sampling=S(logprobs=21)), "sampling.logprobs"),
+        (router_pb2.GenerateRequest(prompt="x", sampling=S(prompt_logprobs=21)), "sampling.prompt_logprobs"),
         (router_pb2.GenerateRequest(prompt="x", sampling=S(stop=[""])), "sampling.stop"),
         (router_pb2.GenerateRequest(prompt="x", sampling=S(stop=["s"] * 17)), "sampling.stop"),
         (router_pb2.GenerateRequest(prompt="x", sampling=S(stop_token_ids=[50000])), "sampling.stop_token_ids"),
@@ -198,6 +199,8 @@ def test_batch_models_health_reflection_and_metrics(fleet, expected):
     router = fleet["routers"][1]
     requests = [build_request(p, max_tokens=SHORT, temperature=0.0) for p in PROMPTS[:6]]
     requests.insert(3, build_request("", max_tokens=SHORT))  # a bad item fails alone
+    # logprobs and prompt logprobs are relayed (their values: test_engine_service)
+    requests[1] = build_request(PROMPTS[1], max_tokens=SHORT, temperature=0.0, logprobs=1, prompt_logprobs=2)
     with RouterClient(router.target) as client:
         results = list(client.generate_batch(requests, timeout=120))
         models = client.list_models()
@@ -216,6 +219,14 @@ def test_batch_models_health_reflection_and_metrics(fleet, expected):
         assert r.error_code == 0 and r.request_id == requests[r.index].request_id
         assert (list(r.completions[0].token_ids), r.completions[0].text) == tuple(expected[SHORT][prompt])
         assert r.usage.completion_tokens == len(r.completions[0].token_ids)
+        if r.index == 1:
+            ids = expected["ids"][prompt]
+            assert [p.sampled.token_id for p in r.prompt_logprobs] == ids[1:]
+            assert all([t.rank for t in p.top] == [1, 2] and p.sampled.logprob <= 0 for p in r.prompt_logprobs)
+            assert [p.sampled.token_id for p in r.completions[0].logprobs] == list(r.completions[0].token_ids)
+            assert all(len(p.top) == 1 for p in r.completions[0].logprobs)
+        else:
+            assert not r.prompt_logprobs and not r.completions[0].logprobs
     assert [(m.id, m.max_model_len, m.num_engines) for m in models] == [(MODEL, 256, 2)]
     assert {"pagoda.v1.Router", "grpc.health.v1.Health"} <= set(services)
     metrics_port = int(router.cmd[router.cmd.index("--metrics-port") + 1])

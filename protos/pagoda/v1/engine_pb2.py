@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagoda.v1 import common_pb2 as pagoda_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pagoda/v1/engine.proto\x12\tpagoda.v1\x1a\x16pagoda/v1/common.proto\"\xbc\x01\n\x15\x45ngineGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.pagoda.v1.TokenIdsH\x00\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xab\x01\n\x16\x45ngineGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x15.pagoda.v1.TokenChunk\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12#\n\x07timings\x18\x05 \x01(\x0b\x32\x12.pagoda.v1.Timings\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x12\n\x10ModelInfoRequest\"\xac\x01\n\x11ModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttokenizer\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t2\x9c\x02\n\x06\x45ngine\x12Q\n\x08Generate\x12 .pagoda.v1.EngineGenerateRequest\x1a!.pagoda.v1.EngineGenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.pagoda.v1.AbortRequest\x1a\x18.pagoda.v1.AbortResponse\x12;\n\x07GetLoad\x12\x19.pagoda.v1.GetLoadRequest\x1a\x15.pagoda.v1.EngineLoad\x12\x46\n\tModelInfo\x12\x1b.pagoda.v1.ModelInfoRequest\x1a\x1c.pagoda.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pagoda/v1/engine.proto\x12\tpagoda.v1\x1a\x16pagoda/v1/common.proto\"\xbc\x01\n\x15\x45ngineGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.pagoda.v1.TokenIdsH\x00\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe1\x01\n\x16\x45ngineGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x15.pagoda.v1.TokenChunk\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12#\n\x07timings\x18\x05 \x01(\x0b\x32\x12.pagoda.v1.Timings\x12\x34\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1b.pagoda.v1.PositionLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x12\n\x10ModelInfoRequest\"\xac\x01\n\x11ModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttokenizer\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t2\x9c\x02\n\x06\x45ngine\x12Q\n\x08Generate\x12 .pagoda.v1.EngineGenerateRequest\x1a!.pagoda.v1.EngineGenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.pagoda.v1.AbortRequest\x1a\x18.pagoda.v1.AbortResponse\x12;\n\x07GetLoad\x12\x19.pagoda.v1.GetLoadRequest\x1a\x15.pagoda.v1.EngineLoad\x12\x46\n\tModelInfo\x12\x1b.pagoda.v1.ModelInfoRequest\x1a\x1c.pagoda.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=252
   _globals['_TOKENIDS']._serialized_end=275
   _globals['_ENGINEGENERATERESPONSE']._serialized_start=278
-  _globals['_ENGINEGENERATERESPONSE']._serialized_end=449
-  _globals['_ABORTREQUEST']._serialized_start=451
-  _globals['_ABORTREQUEST']._serialized_end=485
-  _globals['_ABORTRESPONSE']._serialized_start=487
-  _globals['_ABORTRESPONSE']._serialized_end=517
-  _globals['_GETLOADREQUEST']._serialized_start=519
-  _globals['_GETLOADREQUEST']._serialized_end=535
-  _globals['_MODELINFOREQUEST']._serialized_start=537
-  _globals['_MODELINFOREQUEST']._serialized_end=555
-  _globals['_MODELINFORESPONSE']._serialized_start=558
-  _globals['_MODELINFORESPONSE']._serialized_end=730
-  _globals['_ENGINE']._serialized_start=733
-  _globals['_ENGINE']._serialized_end=1017
+  _globals['_ENGINEGENERATERESPONSE']._serialized_end=503
+  _globals['_ABORTREQUEST']._serialized_start=505
+  _globals['_ABORTREQUEST']._serialized_end=539
+  _globals['_ABORTRESPONSE']._serialized_start=541
+  _globals['_ABORTRESPONSE']._serialized_end=571
+  _globals['_GETLOADREQUEST']._serialized_start=573
+  _globals['_GETLOADREQUEST']._serialized_end=589
+  _globals['_MODELINFOREQUEST']._serialized_start=591
+  _globals['_MODELINFOREQUEST']._serialized_end=609
+  _globals['_MODELINFORESPONSE']._serialized_start=612
+  _globals['_MODELINFORESPONSE']._serialized_end=784
+  _globals['_ENGINE']._serialized_start=787
+  _globals['_ENGINE']._serialized_end=1071
 # @@protoc_insertion_point(module_scope)

@@ -28,18 +28,20 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineGenerateResponse(_message.Message):
-    __slots__ = ("request_id", "chunks", "finished", "usage", "timings")
+    __slots__ = ("request_id", "chunks", "finished", "usage", "timings", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     chunks: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenChunk]
     finished: bool
     usage: _common_pb2.Usage
     timings: _common_pb2.Timings
-    def __init__(self, request_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[_common_pb2.TokenChunk, _Mapping]]] = ..., finished: _Optional[bool] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[_common_pb2.TokenChunk, _Mapping]]] = ..., finished: _Optional[bool] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

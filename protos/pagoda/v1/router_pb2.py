@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagoda.v1 import common_pb2 as pagoda_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pagoda/v1/router.proto\x12\tpagoda.v1\x1a\x16pagoda/v1/common.proto\"\x1d\n\x0ePromptTokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pagoda.v1.ChatMessage\"\xf2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x35\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x19.pagoda.v1.PromptTokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.pagoda.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\r\n\x05model\x18\x07 \x01(\tB\x07\n\x05input\"\xb0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.pagoda.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x10\n\x08\x66inished\x18\t \x01(\x08\x12\x1f\n\x05usage\x18\n \x01(\x0b\x32\x10.pagoda.v1.Usage\x12#\n\x07timings\x18\x0b \x01(\x0b\x32\x12.pagoda.v1.TimingsB\r\n\x0bstop_reason\"D\n\x14GenerateBatchRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.pagoda.v1.GenerateRequest\"\xbe\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagoda.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x42\r\n\x0bstop_reason\"\xd7\x01\n\x15GenerateBatchResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12*\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x15.pagoda.v1.Completion\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12#\n\x07timings\x18\x05 \x01(\x0b\x32\x12.pagoda.v1.Timings\x12\x12\n\nerror_code\x18\x06 \x01(\x05\x12\x15\n\rerror_message\x18\x07 \x01(\t\"\x13\n\x11ListModelsRequest\"W\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bnum_engines\x18\x04 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.pagoda.v1.ModelCard2\xf0\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12T\n\rGenerateBatch\x12\x1f.pagoda.v1.GenerateBatchRequest\x1a .pagoda.v1.GenerateBatchResponse0\x01\x12I\n\nListModels\x12\x1c.pagoda.v1.ListModelsRequest\x1a\x1d.pagoda.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pagoda/v1/router.proto\x12\tpagoda.v1\x1a\x16pagoda/v1/common.proto\"\x1d\n\x0ePromptTokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pagoda.v1.ChatMessage\"\xf2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x35\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x19.pagoda.v1.PromptTokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.pagoda.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\r\n\x05model\x18\x07 \x01(\tB\x07\n\x05input\"\xe6\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.pagoda.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x10\n\x08\x66inished\x18\t \x01(\x08\x12\x1f\n\x05usage\x18\n \x01(\x0b\x32\x10.pagoda.v1.Usage\x12#\n\x07timings\x18\x0b \x01(\x0b\x32\x12.pagoda.v1.Timings\x12\x34\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1b.pagoda.v1.PositionLogprobsB\r\n\x0bstop_reason\"D\n\x14GenerateBatchRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.pagoda.v1.GenerateRequest\"\xbe\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagoda.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x42\r\n\x0bstop_reason\"\x8d\x02\n\x15GenerateBatchResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12*\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x15.pagoda.v1.Completion\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12#\n\x07timings\x18\x05 \x01(\x0b\x32\x12.pagoda.v1.Timings\x12\x12\n\nerror_code\x18\x06 \x01(\x05\x12\x15\n\rerror_message\x18\x07 \x01(\t\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.pagoda.v1.PositionLogprobs\"\x13\n\x11ListModelsRequest\"W\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bnum_engines\x18\x04 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.pagoda.v1.ModelCard2\xf0\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12T\n\rGenerateBatch\x12\x1f.pagoda.v1.GenerateBatchRequest\x1a .pagoda.v1.GenerateBatchResponse0\x01\x12I\n\nListModels\x12\x1c.pagoda.v1.ListModelsRequest\x1a\x1d.pagoda.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,19 +41,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=197
   _globals['_GENERATEREQUEST']._serialized_end=439
   _globals['_GENERATERESPONSE']._serialized_start=442
-  _globals['_GENERATERESPONSE']._serialized_end=746
-  _globals['_GENERATEBATCHREQUEST']._serialized_start=748
-  _globals['_GENERATEBATCHREQUEST']._serialized_end=816
-  _globals['_COMPLETION']._serialized_start=819
-  _globals['_COMPLETION']._serialized_end=1009
-  _globals['_GENERATEBATCHRESPONSE']._serialized_start=1012
-  _globals['_GENERATEBATCHRESPONSE']._serialized_end=1227
-  _globals['_LISTMODELSREQUEST']._serialized_start=1229
-  _globals['_LISTMODELSREQUEST']._serialized_end=1248
-  _globals['_MODELCARD']._serialized_start=1250
-  _globals['_MODELCARD']._serialized_end=1337
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1339
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1397
-  _globals['_ROUTER']._serialized_start=1400
-  _globals['_ROUTER']._serialized_end=1640
+  _globals['_GENERATERESPONSE']._serialized_end=800
+  _globals['_GENERATEBATCHREQUEST']._serialized_start=802
+  _globals['_GENERATEBATCHREQUEST']._serialized_end=870
+  _globals['_COMPLETION']._serialized_start=873
+  _globals['_COMPLETION']._serialized_end=1063
+  _globals['_GENERATEBATCHRESPONSE']._serialized_start=1066
+  _globals['_GENERATEBATCHRESPONSE']._serialized_end=1335
+  _globals['_LISTMODELSREQUEST']._serialized_start=1337
+  _globals['_LISTMODELSREQUEST']._serialized_end=1356
+  _globals['_MODELCARD']._serialized_start=1358
+  _globals['_MODELCARD']._serialized_end=1445
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1447
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1505
+  _globals['_ROUTER']._serialized_start=1508
+  _globals['_ROUTER']._serialized_end=1748
 # @@protoc_insertion_point(module_scope)
