@@ -1065,6 +1065,21 @@ void penalise_row(float* x, int64_t n, const float* pen, const int64_t* prompt, 
     if (banned[i] >= 0 && banned[i] < n) x[banned[i]] = -INFINITY;
 }
 
+// run(rows) with x's data as float or bf16_t rows; any other dtype is an error naming `op`.
+template <typename Run>
+void with_rows_of(const at::Tensor& x, const char* op, Run&& run) {
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      run(x.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      run(static_cast<const bf16_t*>(x.data_ptr()));
+      break;
+    default:
+      TORCH_CHECK(false, op, ": unsupported dtype ", x.scalar_type());
+  }
+}
+
 void sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
                  const at::Tensor& min_p, const at::Tensor& uniform, const std::optional<at::Tensor>& penalties,
                  const std::optional<at::Tensor>& prompt_ids, const std::optional<at::Tensor>& prompt_starts,
@@ -1136,16 +1151,7 @@ void sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::T
       }
     }
   };
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      run(x.data_ptr<float>());
-      break;
-    case at::kBFloat16:
-      run(static_cast<const bf16_t*>(x.data_ptr()));
-      break;
-    default:
-      TORCH_CHECK(false, "sample_rows: unsupported dtype ", x.scalar_type());
-  }
+  with_rows_of(x, "sample_rows", run);
 }
 
 // ---- Logprobs of the raw logits: two passes a row, no [N, V] log_softmax and no sort -------------
@@ -1284,16 +1290,7 @@ void logprobs_rows(const at::Tensor& x, const at::Tensor& tokens, at::Tensor& to
       for (int64_t j = 0; j < k; ++j) top[r * k + j] = (top[r * k + j] - m) - lse;
     }
   };
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      run(x.data_ptr<float>());
-      break;
-    case at::kBFloat16:
-      run(static_cast<const bf16_t*>(x.data_ptr()));
-      break;
-    default:
-      TORCH_CHECK(false, "logprobs_rows: unsupported dtype ", x.scalar_type());
-  }
+  with_rows_of(x, "logprobs_rows", run);
 }
 
 // ---- GEMMs of our own: bf16 on AMX tiles or AVX512-BF16 dot products, float32 on FMAs ------------
