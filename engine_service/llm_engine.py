@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 
 from engine_service.config import EngineConfig
-from engine_service.detokenizer import IncrementalDetokenizer
+from engine_service.detokenizer import IncrementalDetokenizer, token_texts
 from engine_service.model_loader import (generation_eos_token_ids, iterate_weights, load_config,
                                          load_tokenizer, resolve_model_dir)
 from engine_service.model_runner import ModelRunner, PromptLogprobs, kv_bytes_per_block
@@ -43,6 +43,7 @@ class LLMEngine:
         config.finalize(self.model_config.max_position_embeddings,
                         kv_bytes_per_block(self.model_config, config))
         self.vocab_size = self.model_config.vocab_size
+        self.token_texts = token_texts(self.tokenizer, self.vocab_size)  # Logprob.decoded_token by id
         self.runner = ModelRunner(config, self.model_config, iterate_weights(self.model_dir), self.eos_token_ids)
         self.scheduler = Scheduler(config)
         self.requests: dict[str, Request] = {}
@@ -275,22 +276,25 @@ class LLMEngine:
         ranks = so.sampled_ranks.tolist() if so.sampled_ranks is not None else [None] * len(lps)
         top_ids = so.topk_token_ids.tolist() if so.topk_token_ids is not None else None
         top_lps = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
+        texts = self.token_texts
         rows = []
         for row, seq in enumerate(sampled):
             k = seq.params.logprobs
             if k is None:
                 rows.append(None)
                 continue
+            detokenize = seq.params.detokenize
             entry = {}
             if k and top_ids is not None:
                 for rank, (tid, lp) in enumerate(zip(top_ids[row][:k], top_lps[row][:k]), start=1):
-                    entry[tid] = Logprob(lp, rank)
-            entry.setdefault(token_ids[row], Logprob(lps[row], ranks[row]))
+                    entry[tid] = Logprob(lp, rank, texts[tid] if detokenize else None)
+            token = token_ids[row]
+            if token not in entry:
+                entry[token] = Logprob(lps[row], ranks[row], texts[token] if detokenize else None)
             rows.append((lps[row], entry))
         return rows
 
-    @staticmethod
-    def _record_prompt_logprobs(scored: list[PromptLogprobs]) -> None:
+    def _record_prompt_logprobs(self, scored: list[PromptLogprobs]) -> None:
         """Append each chunk's prompt logprobs to its request's: per position, the top
         ``prompt_logprobs`` (ranks 1..k) first, then the prompt token with its logprob and rank where
         it is not among them, as vLLM's ``prompt_logprobs``."""
@@ -298,10 +302,13 @@ class LLMEngine:
             entries = pl.request.prompt_logprobs
             assert len(entries) == pl.first, (len(entries), pl.first)  # in order, each position once
             k = pl.request.params.prompt_logprobs
+            texts = self.token_texts if pl.request.params.detokenize else None
             targets = pl.request.prompt_token_ids[pl.first:pl.first + len(pl.logprobs)]
             for target, lp, rank, ids, tops in zip(targets, pl.logprobs, pl.ranks, pl.top_ids, pl.top_logprobs):
-                entry = {tid: Logprob(top, r) for r, (tid, top) in enumerate(zip(ids[:k], tops[:k]), start=1)}
-                entry.setdefault(target, Logprob(lp, rank))
+                entry = {tid: Logprob(top, r, texts[tid] if texts else None)
+                         for r, (tid, top) in enumerate(zip(ids[:k], tops[:k]), start=1)}
+                if target not in entry:
+                    entry[target] = Logprob(lp, rank, texts[target] if texts else None)
                 entries.append(entry)
 
     def _advance_grammar(self, seq: Sequence, token: int) -> bool:

@@ -135,8 +135,10 @@ def _logprobs(token_ids: list[int], positions: list[dict], k: int) -> list[commo
         sampled = entry[token_id]
         top = itertools.islice(entry.items(), k)
         result.append(common_pb2.PositionLogprobs(
-            sampled=common_pb2.TokenLogprob(token_id=token_id, logprob=sampled.logprob, rank=sampled.rank),
-            top=[common_pb2.TokenLogprob(token_id=tid, logprob=lp.logprob, rank=lp.rank) for tid, lp in top]))
+            sampled=common_pb2.TokenLogprob(token_id=token_id, logprob=sampled.logprob, rank=sampled.rank,
+                                            token=sampled.decoded_token),
+            top=[common_pb2.TokenLogprob(token_id=tid, logprob=lp.logprob, rank=lp.rank, token=lp.decoded_token)
+                 for tid, lp in top]))
     return result
 
 

@@ -292,6 +292,17 @@ def test_logprobs_match_transformers(tiny_llama_dir, hf_tiny, prompts, reference
         assert entry[tok].logprob == pytest.approx(float(ref[tok]), abs=1e-4)
         total += entry[tok].logprob
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-5)
+    # Each entry's decoded_token: the token's text on its own, as vLLM's Logprob carries it.
+    tokenizer = llm.get_tokenizer()
+    for entry in out.logprobs:
+        assert len(entry) >= 3
+        for tid, lp in entry.items():
+            assert lp.decoded_token == tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(tid)])
+    quiet = llm.generate({"prompt_token_ids": prompts[2]},
+                         SamplingParams(temperature=0, max_tokens=2, logprobs=3, prompt_logprobs=1, detokenize=False),
+                         use_tqdm=False)[0]
+    assert all(lp.decoded_token is None for entry in quiet.outputs[0].logprobs + quiet.prompt_logprobs[1:]
+               for lp in entry.values())
 
 
 @pytest.mark.parametrize("schedule", ["default", "chunked-prefill", "preempt-recompute", "torch-attention"])

@@ -225,8 +225,10 @@ def test_logprobs_and_prompt_logprobs_stream_as_offline_generate_gives_them(bund
         assert position.sampled.token_id == token
         assert position.sampled.logprob == pytest.approx(entry[token].logprob, abs=1e-6)
         assert position.sampled.rank == entry[token].rank
+        assert position.sampled.token == entry[token].decoded_token and entry[token].decoded_token
         ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]
-        assert [(t.token_id, t.rank) for t in position.top] == [(tid, lp.rank) for tid, lp in ranked]
+        assert [(t.token_id, t.rank, t.token) for t in position.top] == \
+            [(tid, lp.rank, lp.decoded_token) for tid, lp in ranked]
         assert [t.rank for t in position.top] == list(range(1, top + 1))
 
     for got, want in zip(asyncio.run(main()), expected):
