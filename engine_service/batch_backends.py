@@ -19,7 +19,8 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 
-from engine_service.batch_rows import BatchRequest, BatchResult, Choice, RowError
+from engine_service.batch_rows import (BatchRequest, BatchResult, Choice, PositionLogprobs, RowError,
+                                       TokenLogprob)
 from engine_service.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagoda.batch")
@@ -82,16 +83,40 @@ class LocalBackend:
                     return
                 for out in engine.step():
                     if out.finished:
-                        emit(in_flight.pop(out.request_id), _result_from_output(out))
+                        req = in_flight.pop(out.request_id)
+                        emit(req, _result_from_output(out, req.params))
         finally:
             if in_flight:
                 engine.abort_request(list(in_flight))
 
 
-def _result_from_output(out) -> BatchResult:
-    choices = [Choice(c.index, c.text, c.finish_reason, len(c.token_ids)) for c in out.outputs]
+def _result_from_output(out, params: SamplingParams) -> BatchResult:
+    choices = [Choice(c.index, c.text, c.finish_reason, len(c.token_ids),
+                      None if c.logprobs is None else _positions(c.token_ids, c.logprobs, params.logprobs))
+               for c in out.outputs]
+    prompt_logprobs = None
+    if out.prompt_logprobs is not None:
+        prompt_logprobs = [None, *_positions(out.prompt_token_ids[1:], out.prompt_logprobs[1:], params.prompt_logprobs)]
     return BatchResult(out.request_id, choices, len(out.prompt_token_ids),
-                       sum(c.num_tokens for c in choices), out.num_cached_tokens)
+                       sum(c.num_tokens for c in choices), out.num_cached_tokens, prompt_logprobs)
+
+
+def _positions(token_ids: list[int], entries: list[dict], k: int) -> list[PositionLogprobs]:
+    """The engine's ``{token id: Logprob}`` entries (the top k first, by rank, then the token's own
+    where it is not among them) as ``PositionLogprobs``."""
+    def token(token_id: int, lp) -> TokenLogprob:
+        return TokenLogprob(token_id, lp.decoded_token or "", lp.logprob, lp.rank)
+
+    return [PositionLogprobs(token(tid, entry[tid]), [token(t, lp) for t, lp in itertools.islice(entry.items(), k)])
+            for tid, entry in zip(token_ids, entries)]
+
+
+def _positions_from_proto(messages) -> list[PositionLogprobs]:
+    """``pagoda.v1.PositionLogprobs`` messages as ``PositionLogprobs``."""
+    def token(t) -> TokenLogprob:
+        return TokenLogprob(t.token_id, t.token, t.logprob, t.rank if t.HasField("rank") else None)
+
+    return [PositionLogprobs(token(m.sampled), [token(t) for t in m.top]) for m in messages]
 
 
 # ---- through gRPC ---------------------------------------------------------------------------------
@@ -133,6 +158,8 @@ def sampling_params_to_proto(params: SamplingParams):
         p.max_tokens = params.max_tokens
     if params.logprobs is not None:
         p.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        p.prompt_logprobs = params.prompt_logprobs
     so = params.structured_outputs
     if so is not None:
         kind = so.kind
@@ -149,6 +176,39 @@ def sampling_params_to_proto(params: SamplingParams):
 
 
 _FINISH_REASON_NAMES = {1: "stop", 2: "length", 3: "abort"}
+
+
+class _Streams:
+    """The deltas of a request's ``n`` completions, gathered from a Generate stream."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.texts: dict[int, list[str]] = {}
+        self.num_tokens: dict[int, int] = {}
+        self.logprobs: dict[int, list[PositionLogprobs]] = {}
+        self.reasons: dict[int, str] = {}
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    def prompt(self, messages) -> None:
+        if messages:
+            self.prompt_logprobs = [None, *_positions_from_proto(messages)]
+
+    def add(self, index: int, text: str, token_ids, logprobs, finish_reason: str | None) -> None:
+        self.texts.setdefault(index, []).append(text)
+        self.num_tokens[index] = self.num_tokens.get(index, 0) + len(token_ids)
+        self.logprobs.setdefault(index, []).extend(_positions_from_proto(logprobs))
+        if finish_reason:
+            self.reasons[index] = finish_reason
+
+    def result(self, request_id: str, usage) -> BatchResult:
+        want_logprobs = self.params.logprobs is not None
+        choices = [Choice(i, "".join(self.texts.get(i, [])), self.reasons.get(i), self.num_tokens.get(i, 0),
+                          self.logprobs.get(i, []) if want_logprobs else None) for i in range(self.params.n)]
+        prompt_logprobs = self.prompt_logprobs
+        if self.params.prompt_logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = [None]  # a one-token prompt
+        return BatchResult(request_id, choices, usage.prompt_tokens, usage.completion_tokens,
+                           usage.cached_prompt_tokens, prompt_logprobs)
 
 
 async def _until_serving(call, target: str, timeout_s: float = 600.0):
@@ -208,24 +268,18 @@ class EngineClient(GenerateClient):
         prompt = self._chat_prompt(req.messages) if req.endpoint == "chat" else req.prompt
         fields = {"text": prompt} if isinstance(prompt, str) else {"prompt_token_ids": engine_pb2.TokenIds(ids=prompt)}
         message = engine_pb2.EngineGenerateRequest(request_id=request_id, sampling_params=sampling_params_to_proto(req.params), **fields)
-        texts: dict[int, list[str]] = {}
-        num_tokens: dict[int, int] = {}
-        reasons: dict[int, str] = {}
+        streams = _Streams(req.params)
         final = None
         async for response in self._stub.Generate(message):
+            streams.prompt(response.prompt_logprobs)
             for chunk in response.chunks:
-                texts.setdefault(chunk.index, []).append(chunk.text)
-                num_tokens[chunk.index] = num_tokens.get(chunk.index, 0) + len(chunk.token_ids)
-                if chunk.finish_reason:
-                    reasons[chunk.index] = _FINISH_REASON_NAMES.get(chunk.finish_reason, "stop")
+                streams.add(chunk.index, chunk.text, chunk.token_ids, chunk.logprobs,
+                            _FINISH_REASON_NAMES.get(chunk.finish_reason, "stop") if chunk.finish_reason else None)
             if response.finished:
                 final = response
         if final is None:
             raise RowError("engine_error", "the engine's stream ended without a final message")
-        choices = [Choice(i, "".join(texts.get(i, [])), reasons.get(i), num_tokens.get(i, 0))
-                   for i in range(req.params.n)]
-        return BatchResult(request_id, choices, final.usage.prompt_tokens, final.usage.completion_tokens,
-                           final.usage.cached_prompt_tokens)
+        return streams.result(request_id, final.usage)
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -271,23 +325,17 @@ class RouterClient(GenerateClient):
         # ("gpt-4o-mini") that the router would refuse; a cluster serving several models would
         # need a flag to route by it.
         message = pb2.GenerateRequest(request_id=request_id, sampling=sampling_params_to_proto(req.params), **fields)
-        texts: dict[int, list[str]] = {}
-        num_tokens: dict[int, int] = {}
-        reasons: dict[int, str] = {}
+        streams = _Streams(req.params)
         final = None
         async for response in self._stub.Generate(message):
-            texts.setdefault(response.index, []).append(response.text)
-            num_tokens[response.index] = num_tokens.get(response.index, 0) + len(response.token_ids)
-            if response.finish_reason:
-                reasons[response.index] = response.finish_reason
+            streams.prompt(response.prompt_logprobs)
+            streams.add(response.index, response.text, response.token_ids, response.logprobs,
+                        response.finish_reason or None)
             if response.finished:
                 final = response
         if final is None:
             raise RowError("router_error", "the router's stream ended without a final message")
-        choices = [Choice(i, "".join(texts.get(i, [])), reasons.get(i), num_tokens.get(i, 0))
-                   for i in range(req.params.n)]
-        return BatchResult(final.request_id or request_id, choices, final.usage.prompt_tokens,
-                           final.usage.completion_tokens, final.usage.cached_prompt_tokens)
+        return streams.result(final.request_id or request_id, final.usage)
 
     async def close(self) -> None:
         if self._channel is not None:

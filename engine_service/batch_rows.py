@@ -13,13 +13,23 @@ error row naming the field; it never stops the job. Output rows follow OpenAI's 
 ``{"id", "custom_id", "response": {"status_code": 200, "request_id", "body": <chat.completion or
 text_completion>}, "error": null}`` or ``{"id", "custom_id", "response": null, "error": {"code",
 "message"}}``.
+
+Logprobs take OpenAI's two shapes: a chat row asks ``"logprobs": true`` (and ``"top_logprobs": k``)
+and gets ``choices[i].logprobs.content``, one ``{"token", "logprob", "bytes", "top_logprobs"}`` per
+token; a completions row asks ``"logprobs": k`` and gets ``{"tokens", "token_logprobs",
+"top_logprobs", "text_offset"}``, each ``top_logprobs`` item holding the top k and the sampled
+token. vLLM's ``"prompt_logprobs": k`` (scoring a prompt) gives its list, ``null`` for the first
+prompt token then ``{token id: {"logprob", "rank", "decoded_token"}}``, on each completions choice
+or on a chat body. JSON has no -Infinity: a logprob below -9999 is written as -9999, as vLLM does.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine_service.sampling_params import SamplingParams
 
@@ -37,6 +47,12 @@ _SAMPLING_FIELDS = {
     "stop_token_ids": "stop_token_ids", "skip_special_tokens": "skip_special_tokens",
     "include_stop_str_in_output": "include_stop_str_in_output", "structured_outputs": "structured_outputs",
 }
+# Logprob fields, read by hand: their type differs by endpoint (chat: logprobs true + top_logprobs k;
+# completions: logprobs k); prompt_logprobs is vLLM's, on both.
+_LOGPROB_FIELDS = {"chat": {"logprobs", "top_logprobs", "prompt_logprobs"},
+                   "completions": {"logprobs", "prompt_logprobs"}}
+# JSON has no -Infinity; vLLM writes logprobs below this as this.
+MIN_LOGPROB = -9999.0
 # Accepted and without effect here.
 _IGNORED_FIELDS = {"model", "user", "stream", "metadata", "store", "service_tier"}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
@@ -64,12 +80,27 @@ class BatchRequest:
     model: str | None = None
 
 
+class TokenLogprob(NamedTuple):
+    token_id: int
+    token: str                     # its text on its own (Logprob.decoded_token)
+    logprob: float
+    rank: int | None
+
+
+class PositionLogprobs(NamedTuple):
+    """One position: its token (sampled, or the prompt's) and the top k by rank."""
+
+    token: TokenLogprob
+    top: list[TokenLogprob]
+
+
 @dataclass
 class Choice:
     index: int
     text: str
     finish_reason: str | None      # "stop" | "length" | "abort"
     num_tokens: int
+    logprobs: list[PositionLogprobs] | None = None  # one per token, when the row asked
 
 
 @dataclass
@@ -81,6 +112,8 @@ class BatchResult:
     prompt_tokens: int
     completion_tokens: int = field(default=0)
     cached_prompt_tokens: int = 0
+    # When the row asked prompt_logprobs: None for the first prompt token, then one per token.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 def row_key(obj, line: int) -> str:
@@ -143,7 +176,7 @@ def _parse_plain(obj: dict, key: str, line: int) -> BatchRequest:
 
 def _build(body: dict, key: str, custom_id: str, line: int, endpoint: str, where: str) -> BatchRequest:
     input_field = "messages" if endpoint == "chat" else "prompt"
-    allowed = {input_field} | set(_SAMPLING_FIELDS) | _IGNORED_FIELDS | {"response_format"}
+    allowed = {input_field} | set(_SAMPLING_FIELDS) | _IGNORED_FIELDS | {"response_format"} | _LOGPROB_FIELDS[endpoint]
     for name in body:
         if name not in allowed:
             other = "prompt" if input_field == "messages" else "messages"
@@ -172,6 +205,7 @@ def _build(body: dict, key: str, custom_id: str, line: int, endpoint: str, where
             kwargs[target] = value
     if "max_tokens" not in kwargs:
         kwargs["max_tokens"] = DEFAULT_COMPLETION_MAX_TOKENS if endpoint == "completions" else None
+    kwargs.update(_logprob_params(body, endpoint, where))
     if body.get("response_format") is not None:
         if "structured_outputs" in kwargs:
             raise RowError("invalid_request", f"{where}response_format and {where}structured_outputs are "
@@ -185,6 +219,33 @@ def _build(body: dict, key: str, custom_id: str, line: int, endpoint: str, where
         raise RowError("invalid_request", f"{where.rstrip('.') or 'row'}: {e}") from None
     model = body.get("model") if isinstance(body.get("model"), str) else None
     return BatchRequest(key, custom_id, line, endpoint, params, prompt, messages, model)
+
+
+def _logprob_params(body: dict, endpoint: str, where: str) -> dict:
+    """SamplingParams' ``logprobs`` / ``prompt_logprobs`` from the row's fields (the limit,
+    ``max_logprobs``, is the engine's to check)."""
+    def count(name: str) -> int | None:
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise RowError("invalid_request", f"{where}{name} must be an integer >= 0, got {value!r}")
+        return value
+
+    kwargs = {}
+    if endpoint == "chat":
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise RowError("invalid_request", f"{where}logprobs must be true or false on {CHAT_URL} "
+                                              f"({where}top_logprobs says how many alternatives), got {wanted!r}")
+        top = count("top_logprobs")
+        if top is not None and not wanted:
+            raise RowError("invalid_request", f"{where}top_logprobs needs {where}logprobs: true")
+        if wanted:
+            kwargs["logprobs"] = top or 0
+    elif count("logprobs") is not None:
+        kwargs["logprobs"] = body["logprobs"]
+    if count("prompt_logprobs") is not None:
+        kwargs["prompt_logprobs"] = body["prompt_logprobs"]
+    return kwargs
 
 
 def _check_messages(messages, where: str) -> list[dict]:
@@ -231,21 +292,67 @@ def _row_id() -> str:
 
 def success_row(req: BatchRequest, result: BatchResult, model: str) -> dict:
     """The OpenAI batch output row for a completed request (a chat.completion or text_completion body)."""
+    prompt_logprobs = None
+    if req.params.prompt_logprobs is not None:
+        prompt_logprobs = [None if p is None else _prompt_logprob_entry(p) for p in result.prompt_logprobs or []]
     if req.endpoint == "chat":
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
                     "finish_reason": c.finish_reason} for c in result.choices]
         body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion"}
     else:
-        choices = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-                   for c in result.choices]
+        choices = [{"index": c.index, "text": c.text,
+                    "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs),
+                    "finish_reason": c.finish_reason} for c in result.choices]
+        if prompt_logprobs is not None:
+            for choice in choices:
+                choice["prompt_logprobs"] = prompt_logprobs
         body = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
     body.update(created=int(time.time()), model=req.model or model, choices=choices, usage={
         "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": result.cached_prompt_tokens}})
+    if req.endpoint == "chat" and prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
     row = {"id": _row_id(), "custom_id": req.custom_id,
            "response": {"status_code": 200, "request_id": result.request_id, "body": body}, "error": None}
     return _with_line(row, req.key, req.line)
+
+
+def _clamped(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def chat_logprobs(positions: list[PositionLogprobs]) -> dict:
+    """A chat choice's ``logprobs``: per token its text, logprob, UTF-8 bytes and the top k."""
+    def item(t: TokenLogprob) -> dict:
+        return {"token": t.token, "logprob": _clamped(t.logprob), "bytes": list(t.token.encode())}
+
+    return {"content": [{**item(p.token), "top_logprobs": [item(t) for t in p.top]} for p in positions],
+            "refusal": None}
+
+
+def completion_logprobs(positions: list[PositionLogprobs]) -> dict:
+    """A completions choice's ``logprobs``: tokens, their logprobs, each position's top k with the
+    sampled token ({text: logprob}), and each token's offset in the completion's text."""
+    tokens = [p.token.token for p in positions]
+    tops = []
+    for p in positions:
+        top = {t.token: _clamped(t.logprob) for t in p.top}
+        top.setdefault(p.token.token, _clamped(p.token.logprob))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [_clamped(p.token.logprob) for p in positions],
+            "top_logprobs": tops, "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=0))
+            if tokens else []}
+
+
+def _prompt_logprob_entry(p: PositionLogprobs) -> dict:
+    def item(t: TokenLogprob) -> dict:
+        return {"logprob": _clamped(t.logprob), "rank": t.rank, "decoded_token": t.token}
+
+    entry = {str(t.token_id): item(t) for t in p.top}
+    entry.setdefault(str(p.token.token_id), item(p.token))
+    return entry
 
 
 def error_row(key: str, custom_id: str | None, line: int, code: str, message: str) -> dict:

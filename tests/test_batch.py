@@ -18,7 +18,8 @@ import jsonschema
 import pytest
 
 from engine_service.batch import DuplicateIds, main, read_done, run_job
-from engine_service.batch_rows import RowError, parse_row
+from engine_service.batch_rows import (BatchResult, Choice, PositionLogprobs, RowError, TokenLogprob, parse_row,
+                                       success_row)
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "256MiB"]
@@ -152,6 +153,21 @@ def test_rows_map_to_sampling_params_and_endpoints():
         .params.structured_outputs.choice == ["a", "b"]
 
 
+def test_logprob_fields_map_by_endpoint():
+    """Chat: logprobs true (+ top_logprobs k); completions: logprobs k; both: vLLM's prompt_logprobs."""
+    def params(url: str, **body):
+        field = {"messages": [{"role": "user", "content": "x"}]} if "chat" in url else {"prompt": "x"}
+        p = parse_row(json.dumps({"custom_id": "a", "url": url, "body": {**field, **body}}), 1).params
+        return p.logprobs, p.prompt_logprobs
+
+    assert params("/v1/chat/completions", logprobs=True, top_logprobs=4) == (4, None)
+    assert params("/v1/chat/completions", logprobs=True) == (0, None)
+    assert params("/v1/chat/completions", logprobs=False, prompt_logprobs=2) == (None, 2)
+    assert params("/v1/completions", logprobs=2, prompt_logprobs=0) == (2, 0)
+    assert params("/v1/completions") == (None, None)
+    assert parse_row('{"id": "p", "prompt": "x", "logprobs": 1}', 1).params.logprobs == 1
+
+
 @pytest.mark.parametrize("row, message", [
     ('{"custom_id": "a", ', r"line 5 is not valid JSON"),
     ('[1, 2]', r"must be a JSON object"),
@@ -173,10 +189,60 @@ def test_rows_map_to_sampling_params_and_endpoints():
     ('{"custom_id": "", "url": "/v1/completions", "body": {"prompt": "x"}}', r"custom_id must be a non-empty string"),
     ('{"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}', r"method must be 'POST'"),
     ('{"id": "a", "prompt": "x", "colour": "red"}', r"unsupported field colour"),
+    ('{"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}], '
+     '"logprobs": 3}}', r"body\.logprobs must be true or false on /v1/chat/completions"),
+    ('{"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}], '
+     '"top_logprobs": 2}}', r"body\.top_logprobs needs body\.logprobs: true"),
+    ('{"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}], '
+     '"logprobs": true, "top_logprobs": -1}}', r"body\.top_logprobs must be an integer >= 0, got -1"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": true}}',
+     r"body\.logprobs must be an integer >= 0, got True"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "top_logprobs": 2}}',
+     r"unsupported field body\.top_logprobs"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "echo": true}}', r"unsupported field body\.echo"),
+    ('{"id": "a", "prompt": "x", "prompt_logprobs": "2"}', r"^prompt_logprobs must be an integer >= 0, got '2'"),
 ])
 def test_bad_rows_become_row_errors_naming_the_field(row, message):
     with pytest.raises(RowError, match=message):
         parse_row(row, 5)
+
+
+def test_logprobs_are_written_in_openai_shapes():
+    """Chat: per token its text, logprob, UTF-8 bytes and exactly the top k; completions: tokens,
+    token_logprobs, top k plus the sampled token as {text: logprob}, text offsets; vLLM's
+    prompt_logprobs keyed by token id; -inf written as -9999 (the row is strict JSON)."""
+    def t(token_id, text, logprob, rank):
+        return TokenLogprob(token_id, text, logprob, rank)
+
+    positions = [PositionLogprobs(t(5, "Hé", -0.25, 1), [t(5, "Hé", -0.25, 1), t(9, " a", -1.5, 2)]),
+                 PositionLogprobs(t(7, "llo", -3.0, 4), [t(2, "y", -0.5, 1), t(3, "z", -1.0, 2)]),
+                 PositionLogprobs(t(8, "!", float("-inf"), 49152), [t(4, "?", 0.0, 1), t(6, ".", float("-inf"), 2)])]
+    prompt = [None, PositionLogprobs(t(11, "Hi", -2.0, 3), [t(12, "A", -0.1, 1)])]
+    result = BatchResult("r", [Choice(0, "Héllo!", "length", 3, positions)], 2, 3, 0, prompt)
+    chat = parse_row(json.dumps({"custom_id": "c", "url": "/v1/chat/completions", "body": {
+        "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2, "prompt_logprobs": 1}}), 1)
+    body = json.loads(json.dumps(success_row(chat, result, "m"), allow_nan=False))["response"]["body"]
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["Hé", "llo", "!"]
+    assert [c["logprob"] for c in content] == [-0.25, -3.0, -9999.0]
+    assert content[0]["bytes"] == [72, 195, 169]
+    assert content[1]["top_logprobs"] == [{"token": "y", "logprob": -0.5, "bytes": [121]},
+                                          {"token": "z", "logprob": -1.0, "bytes": [122]}]
+    assert content[2]["top_logprobs"][1]["logprob"] == -9999.0
+    assert body["prompt_logprobs"] == [None, {"12": {"logprob": -0.1, "rank": 1, "decoded_token": "A"},
+                                              "11": {"logprob": -2.0, "rank": 3, "decoded_token": "Hi"}}]
+
+    completion = parse_row(json.dumps({"custom_id": "d", "url": "/v1/completions", "body": {
+        "prompt": "x", "logprobs": 2}}), 2)
+    body = json.loads(json.dumps(success_row(completion, result, "m"), allow_nan=False))["response"]["body"]
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["Hé", "llo", "!"] and lp["text_offset"] == [0, 2, 5]
+    assert lp["token_logprobs"] == [-0.25, -3.0, -9999.0]
+    assert lp["top_logprobs"] == [{"Hé": -0.25, " a": -1.5}, {"y": -0.5, "z": -1.0, "llo": -3.0},
+                                  {"?": 0.0, ".": -9999.0, "!": -9999.0}]
+    assert "prompt_logprobs" not in body["choices"][0], "only when the row asked"
+    plain = success_row(parse_row('{"id": "p", "prompt": "x"}', 3), BatchResult("r", [Choice(0, "a", "stop", 1)], 1, 1), "m")
+    assert plain["response"]["body"]["choices"][0]["logprobs"] is None
 
 
 def test_duplicate_ids_are_refused_before_any_work(tmp_path, capsys):
@@ -233,6 +299,138 @@ def test_200_rows_in_process_give_200_rows_with_ids_matched(rows_file, tmp_path,
     assert "max_model_len is 512" in rows["row-40"]["error"]["message"]
     assert "structured_outputs.regex is invalid" in rows["row-80"]["error"]["message"]
     assert rows["row-10"]["response"]["body"]["model"] == "SmolLM2-135M-Instruct"
+
+
+CHAT_QUESTION = [{"role": "user", "content": "Name one colour."}]
+LOGPROB_ROWS = [
+    {"custom_id": "lp-chat", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "messages": CHAT_QUESTION, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+        "prompt_logprobs": 2}},
+    {"custom_id": "lp-chat-0", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "messages": CHAT_QUESTION, "max_tokens": 4, "temperature": 0, "logprobs": True}},
+    {"custom_id": "lp-cmpl", "method": "POST", "url": "/v1/completions", "body": {
+        "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "logprobs": 2,
+        "prompt_logprobs": 1}},
+    {"custom_id": "lp-too-many", "method": "POST", "url": "/v1/completions", "body": {
+        "prompt": "x", "logprobs": 21}},
+    {"id": "lp-plain", "prompt": "One, two, three,", "max_tokens": 4, "temperature": 0, "n": 2, "logprobs": 0},
+]
+
+
+@pytest.fixture(scope="module")
+def logprob_job(tmp_path_factory, bundled_dir):
+    """The logprob rows run in process on an ``LLM``'s engine (as the stack's: float32, 512 tokens),
+    with that ``LLM`` to compare against."""
+    from engine_service.batch_backends import LocalBackend
+    from engine_service.llm import LLM
+
+    llm = LLM(bundled_dir, dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20)
+    folder = tmp_path_factory.mktemp("logprobs")
+    src, out = folder / "in.jsonl", folder / "out.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in LOGPROB_ROWS) + "\n")
+    summary = run_job(str(src), str(out), LocalBackend(llm.llm_engine), progress=False)
+    assert (summary.rows_ok, summary.rows_failed) == (4, 1)
+    for line in out.read_text().splitlines():
+        strict_json(line)
+    return llm, src, output_rows(out)
+
+
+def strict_json(line: str):
+    def refuse(name):
+        raise AssertionError(f"{name} is not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+@pytest.mark.slow
+def test_logprob_rows_in_process_give_what_generate_gives(logprob_job):
+    """Each row's logprobs, in its endpoint's shape, are the engine's: the tokens' own texts, their
+    logprobs and ranks, the top k; prompt_logprobs position by position."""
+    from engine_service.batch_backends import apply_chat_template
+    from engine_service.sampling_params import SamplingParams
+
+    llm, _, rows = logprob_job
+    tok = llm.get_tokenizer()
+
+    def texts(ids):
+        return [tok.convert_tokens_to_string([t]) for t in tok.convert_ids_to_tokens(ids)]
+
+    def ranked(entry: dict, k: int):
+        return sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]
+
+    # completions: logprobs 2, prompt_logprobs 1
+    want = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=6, logprobs=2,
+                                                                   prompt_logprobs=1), use_tqdm=False)[0]
+    c = want.outputs[0]
+    choice = rows["lp-cmpl"]["response"]["body"]["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == c.text and lp["tokens"] == texts(c.token_ids) and "".join(lp["tokens"]) == c.text
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(c.token_ids))]
+    assert lp["token_logprobs"] == pytest.approx([e[t].logprob for t, e in zip(c.token_ids, c.logprobs)], abs=1e-6)
+    for top, token, entry in zip(lp["top_logprobs"], c.token_ids, c.logprobs):
+        expected = {lp.decoded_token: lp.logprob for _, lp in ranked(entry, 2)}
+        expected.setdefault(entry[token].decoded_token, entry[token].logprob)
+        assert top == pytest.approx(expected, abs=1e-6)
+    prompt = choice["prompt_logprobs"]
+    assert prompt[0] is None and len(prompt) == len(want.prompt_token_ids)
+    for got, target, entry in zip(prompt[1:], want.prompt_token_ids[1:], want.prompt_logprobs[1:]):
+        assert list(got) == [str(t) for t in entry] and str(target) in got
+        assert [(g["rank"], g["decoded_token"]) for g in got.values()] == [(e.rank, e.decoded_token) for e in entry.values()]
+        assert [g["logprob"] for g in got.values()] == pytest.approx([max(e.logprob, -9999) for e in entry.values()])
+
+    # chat: logprobs true, top_logprobs 3, prompt_logprobs 2 (on the body)
+    ids = apply_chat_template(tok, CHAT_QUESTION)
+    want = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=5, logprobs=3,
+                                                                  prompt_logprobs=2), use_tqdm=False)[0]
+    c = want.outputs[0]
+    body = rows["lp-chat"]["response"]["body"]
+    content = body["choices"][0]["logprobs"]["content"]
+    assert body["choices"][0]["message"]["content"] == c.text == "".join(x["token"] for x in content)
+    for x, token, entry in zip(content, c.token_ids, c.logprobs, strict=True):
+        assert x["token"] == entry[token].decoded_token and x["bytes"] == list(x["token"].encode())
+        assert x["logprob"] == pytest.approx(entry[token].logprob, abs=1e-6)
+        assert [(t["token"], t["logprob"]) for t in x["top_logprobs"]] == \
+            [(e.decoded_token, pytest.approx(e.logprob, abs=1e-6)) for _, e in ranked(entry, 3)]
+        assert x["top_logprobs"][0]["token"] == x["token"], "greedy: the sampled token is the top one"
+    assert len(body["prompt_logprobs"]) == len(ids) == body["usage"]["prompt_tokens"]
+    assert all(len(e) in (2, 3) for e in body["prompt_logprobs"][1:])
+    assert all(x["top_logprobs"] == [] for x in rows["lp-chat-0"]["response"]["body"]["choices"][0]["logprobs"]["content"])
+
+    # n = 2, logprobs 0 (plain form: completions)
+    choices = rows["lp-plain"]["response"]["body"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    for choice in choices:
+        assert len(choice["logprobs"]["tokens"]) == 4 and all(len(t) == 1 for t in choice["logprobs"]["top_logprobs"])
+    assert "max_logprobs" in rows["lp-too-many"]["error"]["message"]
+
+
+def compare_logprob_rows(got: dict[str, dict], want: dict[str, dict]) -> None:
+    """Rows of the logprob job through gRPC against the in-process ones: the same texts, tokens and
+    top tokens; logprobs equal to float32 precision."""
+    assert sorted(got) == sorted(want)
+    assert got["lp-too-many"]["error"]["code"] == "invalid_request"
+    assert "max_logprobs" in got["lp-too-many"]["error"]["message"]
+    for key in ("lp-chat", "lp-chat-0", "lp-cmpl", "lp-plain"):
+        g, w = got[key]["response"]["body"], want[key]["response"]["body"]
+        assert g["usage"] == w["usage"], key
+        for gc, wc in zip(g["choices"], w["choices"], strict=True):
+            glp, wlp = gc["logprobs"], wc["logprobs"]
+            if "content" in wlp:
+                assert [x["token"] for x in glp["content"]] == [x["token"] for x in wlp["content"]]
+                assert [[t["token"] for t in x["top_logprobs"]] for x in glp["content"]] == \
+                    [[t["token"] for t in x["top_logprobs"]] for x in wlp["content"]]
+                assert [x["logprob"] for x in glp["content"]] == pytest.approx([x["logprob"] for x in wlp["content"]],
+                                                                               abs=1e-4)
+            else:
+                assert (glp["tokens"], glp["text_offset"]) == (wlp["tokens"], wlp["text_offset"])
+                assert [list(t) for t in glp["top_logprobs"]] == [list(t) for t in wlp["top_logprobs"]]
+                assert glp["token_logprobs"] == pytest.approx(wlp["token_logprobs"], abs=1e-4)
+        gp = g.get("prompt_logprobs") or g["choices"][0].get("prompt_logprobs")
+        wp = w.get("prompt_logprobs") or w["choices"][0].get("prompt_logprobs")
+        assert (gp is None) == (wp is None), key
+        if wp is not None:
+            assert gp[0] is None and [list(e) for e in gp[1:]] == [list(e) for e in wp[1:]]
+            assert [e[k]["logprob"] for e in gp[1:] for k in e] == \
+                pytest.approx([e[k]["logprob"] for e in wp[1:] for k in e], abs=1e-4)
 
 
 def wait_for_rows(path: Path, count: int, proc: subprocess.Popen, timeout: float = 300) -> int:
@@ -326,3 +524,18 @@ def test_rows_straight_to_an_engine_service(rows_file, stack, tmp_path):
     keys = set(input_keys(subset_lines))
     rows = check_results(subset_lines, {k: v for k, v in bad.items() if k in keys}, out)
     assert "max_model_len is 512" in rows["row-40"]["error"]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["router", "engine"])
+def test_logprob_rows_through_grpc_match_in_process(logprob_job, stack, tmp_path, through):
+    """The logprob rows through a router or straight to an engine service: token texts come over
+    gRPC (TokenLogprob.token), so the rows read as the in-process job's."""
+    _, src, want = logprob_job
+    out = tmp_path / "results.jsonl"
+    done = subprocess.run(batch_command("--input", str(src), "--output", str(out), f"--{through}", stack[through]),
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in out.read_text().splitlines():
+        strict_json(line)
+    compare_logprob_rows(output_rows(out), want)
