@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-retries", type=int, default=6,
                     help="retries of a row on UNAVAILABLE / RESOURCE_EXHAUSTED before the job stops")
     ap.add_argument("--tokenizer", default=None,
-                    help="with --engine: tokenizer directory for chat rows (default: the engine's, if local)")
+                    help="with --engine / --router: the model's tokenizer directory, for chat rows through --engine "
+                         "and echo rows with logprobs or token ids (default with --engine: the engine's, if local)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (the summary is still printed)")
     ap.add_argument("--summary-json", default=None, help="also write the summary as JSON to this file")
     ap.add_argument("--log-level", default="WARNING")
@@ -243,7 +244,7 @@ def make_backend(args: argparse.Namespace):
     from engine_service.batch_backends import EngineClient, LocalBackend, RemoteBackend, RouterClient
 
     if args.router:
-        return RemoteBackend(RouterClient(args.router), args.concurrency, args.max_retries), None
+        return RemoteBackend(RouterClient(args.router, args.tokenizer), args.concurrency, args.max_retries), None
     if args.engine:
         return RemoteBackend(EngineClient(args.engine, args.tokenizer), args.concurrency, args.max_retries), None
     from engine_service.config import EngineConfig

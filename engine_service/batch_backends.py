@@ -37,6 +37,29 @@ def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def token_text(tokenizer, token_id: int) -> str:
+    """A token's text on its own, as the engine's ``Logprob.decoded_token``."""
+    return tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token_id)])
+
+
+def with_echo(req: BatchRequest, result: BatchResult, tokenizer: Callable[[], object],
+              prompt_token_ids: list[int] | None = None) -> BatchResult:
+    """An echo row's result with the prompt's text (a token-id prompt decoded, special tokens kept)
+    and, when logprobs are asked, its first token's text. ``tokenizer()`` gives the model's
+    tokenizer (loaded only when needed); ``prompt_token_ids``, where known, spare encoding the prompt."""
+    if not req.echo:
+        return result
+    if isinstance(req.prompt, str):
+        result.prompt_text = req.prompt
+    else:
+        result.prompt_text = tokenizer().decode(req.prompt, skip_special_tokens=False,
+                                                clean_up_tokenization_spaces=False)
+    if req.params.logprobs is not None:
+        ids = prompt_token_ids or (req.prompt if isinstance(req.prompt, list) else tokenizer().encode(req.prompt))
+        result.first_prompt_token = token_text(tokenizer(), ids[0])
+    return result
+
+
 # ---- in process -----------------------------------------------------------------------------------
 
 class LocalBackend:
@@ -84,7 +107,8 @@ class LocalBackend:
                 for out in engine.step():
                     if out.finished:
                         req = in_flight.pop(out.request_id)
-                        emit(req, _result_from_output(out, req.params))
+                        emit(req, with_echo(req, _result_from_output(out, req.params), lambda: engine.tokenizer,
+                                            out.prompt_token_ids))
         finally:
             if in_flight:
                 engine.abort_request(list(in_flight))
@@ -130,9 +154,23 @@ class GenerateClient(abc.ABC):
     """One remote service's Generate call, for the rows of a batch job."""
 
     model_name: str = "pagoda"
+    tokenizer_dir: str | None = None  # the model's tokenizer here, for what needs it on this side
+    _tokenizer = None
 
     async def connect(self) -> None:
         """Open the channel and learn what is served (called once, before any ``generate``)."""
+
+    def tokenizer(self, what: str):
+        """The model's tokenizer (loaded once); RowError naming ``what`` needs it when there is none here."""
+        if self._tokenizer is None:
+            if self.tokenizer_dir is None:
+                through = self.__class__.__name__.removesuffix("Client").lower()
+                raise RowError("invalid_request", f"{what} through --{through} need the model's tokenizer here "
+                                                  "(--tokenizer DIR)")
+            from engine_service.model_loader import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.tokenizer_dir)
+        return self._tokenizer
 
     @abc.abstractmethod
     async def generate(self, req: BatchRequest, request_id: str) -> BatchResult:
@@ -235,7 +273,6 @@ class EngineClient(GenerateClient):
     def __init__(self, target: str, tokenizer: str | None = None):
         self.target = target
         self.tokenizer_dir = tokenizer
-        self._tokenizer = None
         self._channel = None
         self._stub = None
 
@@ -252,20 +289,10 @@ class EngineClient(GenerateClient):
         if self.tokenizer_dir is None and os.path.isdir(info.tokenizer):
             self.tokenizer_dir = info.tokenizer
 
-    def _chat_prompt(self, messages: list[dict]) -> list[int]:
-        if self._tokenizer is None:
-            if self.tokenizer_dir is None:
-                raise RowError("invalid_request", "chat rows through --engine need the model's tokenizer here "
-                                                  "(--tokenizer DIR); the engine's is not on this machine")
-            from engine_service.model_loader import load_tokenizer
-
-            self._tokenizer = load_tokenizer(self.tokenizer_dir)
-        return apply_chat_template(self._tokenizer, messages)
-
     async def generate(self, req: BatchRequest, request_id: str) -> BatchResult:
         from pagoda.v1 import engine_pb2
 
-        prompt = self._chat_prompt(req.messages) if req.endpoint == "chat" else req.prompt
+        prompt = apply_chat_template(self.tokenizer("chat rows"), req.messages) if req.endpoint == "chat" else req.prompt
         fields = {"text": prompt} if isinstance(prompt, str) else {"prompt_token_ids": engine_pb2.TokenIds(ids=prompt)}
         message = engine_pb2.EngineGenerateRequest(request_id=request_id, sampling_params=sampling_params_to_proto(req.params), **fields)
         streams = _Streams(req.params)
@@ -290,8 +317,9 @@ class RouterClient(GenerateClient):
     """``pagoda.v1.Router/Generate`` on a Pagoda cluster: prompts, token ids or chat messages (the
     router renders them); one response per completion delta, the last with usage."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, tokenizer: str | None = None):
         self.target = target
+        self.tokenizer_dir = tokenizer
         self._channel = None
         self._stub = None
 
@@ -405,9 +433,16 @@ class RemoteBackend:
         import grpc
 
         retryable = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+        def tokenizer():
+            return self.client.tokenizer("echo rows with logprobs or token-id prompts")
+
+        if req.echo and (req.params.logprobs is not None or not isinstance(req.prompt, str)):
+            tokenizer()  # a row that cannot be echoed here fails before it runs
         for attempt in itertools.count():
             try:
-                return await self.client.generate(req, f"{request_id}-{attempt}" if attempt else request_id)
+                result = await self.client.generate(req, f"{request_id}-{attempt}" if attempt else request_id)
+                return with_echo(req, result, tokenizer)
             except grpc.aio.AioRpcError as e:
                 if e.code() not in retryable:
                     # The same code as the in-process path for the same bad row.

@@ -21,6 +21,10 @@ token; a completions row asks ``"logprobs": k`` and gets ``{"tokens", "token_log
 token. vLLM's ``"prompt_logprobs": k`` (scoring a prompt) gives its list, ``null`` for the first
 prompt token then ``{token id: {"logprob", "rank", "decoded_token"}}``, on each completions choice
 or on a chat body. JSON has no -Infinity: a logprob below -9999 is written as -9999, as vLLM does.
+A completions row with ``"echo": true`` gets the prompt's text before the completion's and, with
+``logprobs``, the prompt tokens' logprobs before the completion's (the first prompt token's null);
+``"max_tokens": 0`` with echo returns the prompt alone: how an evaluation harness scores a
+continuation's loglikelihood through the completions API.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ _SAMPLING_FIELDS = {
 # Logprob fields, read by hand: their type differs by endpoint (chat: logprobs true + top_logprobs k;
 # completions: logprobs k); prompt_logprobs is vLLM's, on both.
 _LOGPROB_FIELDS = {"chat": {"logprobs", "top_logprobs", "prompt_logprobs"},
-                   "completions": {"logprobs", "prompt_logprobs"}}
+                   "completions": {"logprobs", "prompt_logprobs", "echo"}}
 # JSON has no -Infinity; vLLM writes logprobs below this as this.
 MIN_LOGPROB = -9999.0
 # Accepted and without effect here.
@@ -78,6 +82,9 @@ class BatchRequest:
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
     model: str | None = None
+    echo: bool = False             # completions: the prompt's text (and logprobs) before the completion's
+    prompt_only: bool = False      # echo with max_tokens 0: the prompt alone (one token is run, not written)
+    prompt_logprobs: int | None = None  # what the row asked (echo may ask the engine for more)
 
 
 class TokenLogprob(NamedTuple):
@@ -114,6 +121,9 @@ class BatchResult:
     cached_prompt_tokens: int = 0
     # When the row asked prompt_logprobs: None for the first prompt token, then one per token.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Echo rows: the prompt's text, and its first token's (whose logprob is null) when logprobs are asked.
+    prompt_text: str | None = None
+    first_prompt_token: str | None = None
 
 
 def row_key(obj, line: int) -> str:
@@ -206,6 +216,17 @@ def _build(body: dict, key: str, custom_id: str, line: int, endpoint: str, where
     if "max_tokens" not in kwargs:
         kwargs["max_tokens"] = DEFAULT_COMPLETION_MAX_TOKENS if endpoint == "completions" else None
     kwargs.update(_logprob_params(body, endpoint, where))
+    asked_prompt_logprobs = kwargs.get("prompt_logprobs")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise RowError("invalid_request", f"{where}echo must be true or false, got {echo!r}")
+    prompt_only = echo and kwargs.get("max_tokens") == 0
+    if endpoint == "completions" and not echo and kwargs.get("max_tokens") == 0:
+        raise RowError("invalid_request", f"{where}max_tokens must be >= 1 (0 only with {where}echo: true)")
+    if prompt_only:
+        kwargs["max_tokens"] = 1
+    if echo and kwargs.get("logprobs") is not None:  # the prompt's logprobs come first in the choice's
+        kwargs["prompt_logprobs"] = max(asked_prompt_logprobs or 0, kwargs["logprobs"])
     if body.get("response_format") is not None:
         if "structured_outputs" in kwargs:
             raise RowError("invalid_request", f"{where}response_format and {where}structured_outputs are "
@@ -218,7 +239,8 @@ def _build(body: dict, key: str, custom_id: str, line: int, endpoint: str, where
     except (ValueError, TypeError) as e:
         raise RowError("invalid_request", f"{where.rstrip('.') or 'row'}: {e}") from None
     model = body.get("model") if isinstance(body.get("model"), str) else None
-    return BatchRequest(key, custom_id, line, endpoint, params, prompt, messages, model)
+    return BatchRequest(key, custom_id, line, endpoint, params, prompt, messages, model, echo, prompt_only,
+                        asked_prompt_logprobs)
 
 
 def _logprob_params(body: dict, endpoint: str, where: str) -> dict:
@@ -293,30 +315,46 @@ def _row_id() -> str:
 def success_row(req: BatchRequest, result: BatchResult, model: str) -> dict:
     """The OpenAI batch output row for a completed request (a chat.completion or text_completion body)."""
     prompt_logprobs = None
-    if req.params.prompt_logprobs is not None:
-        prompt_logprobs = [None if p is None else _prompt_logprob_entry(p) for p in result.prompt_logprobs or []]
+    if req.prompt_logprobs is not None:
+        k = req.prompt_logprobs
+        prompt_logprobs = [None if p is None else _prompt_logprob_entry(p, k) for p in result.prompt_logprobs or []]
+    completion_tokens = 0 if req.prompt_only else result.completion_tokens
     if req.endpoint == "chat":
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
                     "finish_reason": c.finish_reason} for c in result.choices]
         body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion"}
     else:
-        choices = [{"index": c.index, "text": c.text,
-                    "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs),
-                    "finish_reason": c.finish_reason} for c in result.choices]
+        choices = [_completion_choice(req, result, c) for c in result.choices]
         if prompt_logprobs is not None:
             for choice in choices:
                 choice["prompt_logprobs"] = prompt_logprobs
         body = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
     body.update(created=int(time.time()), model=req.model or model, choices=choices, usage={
-        "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens": result.prompt_tokens, "completion_tokens": completion_tokens,
+        "total_tokens": result.prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": result.cached_prompt_tokens}})
     if req.endpoint == "chat" and prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs
     row = {"id": _row_id(), "custom_id": req.custom_id,
            "response": {"status_code": 200, "request_id": result.request_id, "body": body}, "error": None}
     return _with_line(row, req.key, req.line)
+
+
+def _completion_choice(req: BatchRequest, result: BatchResult, c: Choice) -> dict:
+    """A text_completion choice; with echo, the prompt's text and logprobs come first (the first
+    prompt token's logprob and top_logprobs null, as OpenAI and vLLM write them)."""
+    if not req.echo:
+        return {"index": c.index, "text": c.text,
+                "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs),
+                "finish_reason": c.finish_reason}
+    generated = [] if req.prompt_only else c.logprobs
+    logprobs = None
+    if c.logprobs is not None:
+        logprobs = completion_logprobs(result.prompt_logprobs[1:] + generated, first_token=result.first_prompt_token,
+                                       k=req.params.logprobs)
+    return {"index": c.index, "text": result.prompt_text + ("" if req.prompt_only else c.text),
+            "logprobs": logprobs, "finish_reason": "length" if req.prompt_only else c.finish_reason}
 
 
 def _clamped(logprob: float) -> float:
@@ -332,25 +370,30 @@ def chat_logprobs(positions: list[PositionLogprobs]) -> dict:
             "refusal": None}
 
 
-def completion_logprobs(positions: list[PositionLogprobs]) -> dict:
+def completion_logprobs(positions: list[PositionLogprobs], first_token: str | None = None,
+                        k: int | None = None) -> dict:
     """A completions choice's ``logprobs``: tokens, their logprobs, each position's top k with the
-    sampled token ({text: logprob}), and each token's offset in the completion's text."""
+    sampled token ({text: logprob}), and each token's offset in the choice's text. ``first_token``
+    (echo) leads with a token that has no logprob; ``k`` cuts longer top lists (an echoed prompt's
+    may hold more)."""
     tokens = [p.token.token for p in positions]
+    values = [_clamped(p.token.logprob) for p in positions]
     tops = []
     for p in positions:
-        top = {t.token: _clamped(t.logprob) for t in p.top}
+        top = {t.token: _clamped(t.logprob) for t in p.top[:k]}
         top.setdefault(p.token.token, _clamped(p.token.logprob))
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": [_clamped(p.token.logprob) for p in positions],
-            "top_logprobs": tops, "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=0))
-            if tokens else []}
+    if first_token is not None:
+        tokens, values, tops = [first_token, *tokens], [None, *values], [None, *tops]
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=0)) if tokens else []}
 
 
-def _prompt_logprob_entry(p: PositionLogprobs) -> dict:
+def _prompt_logprob_entry(p: PositionLogprobs, k: int) -> dict:
     def item(t: TokenLogprob) -> dict:
         return {"logprob": _clamped(t.logprob), "rank": t.rank, "decoded_token": t.token}
 
-    entry = {str(t.token_id): item(t) for t in p.top}
+    entry = {str(t.token_id): item(t) for t in p.top[:k]}
     entry.setdefault(str(p.token.token_id), item(p.token))
     return entry
 

@@ -199,7 +199,11 @@ def test_logprob_fields_map_by_endpoint():
      r"body\.logprobs must be an integer >= 0, got True"),
     ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "top_logprobs": 2}}',
      r"unsupported field body\.top_logprobs"),
-    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "echo": true}}', r"unsupported field body\.echo"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "echo": 1}}', r"body\.echo must be true or false"),
+    ('{"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}], '
+     '"echo": true}}', r"unsupported field body\.echo"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 0}}',
+     r"body\.max_tokens must be >= 1 \(0 only with body\.echo: true\)"),
     ('{"id": "a", "prompt": "x", "prompt_logprobs": "2"}', r"^prompt_logprobs must be an integer >= 0, got '2'"),
 ])
 def test_bad_rows_become_row_errors_naming_the_field(row, message):
@@ -243,6 +247,41 @@ def test_logprobs_are_written_in_openai_shapes():
     assert "prompt_logprobs" not in body["choices"][0], "only when the row asked"
     plain = success_row(parse_row('{"id": "p", "prompt": "x"}', 3), BatchResult("r", [Choice(0, "a", "stop", 1)], 1, 1), "m")
     assert plain["response"]["body"]["choices"][0]["logprobs"] is None
+
+
+def test_echo_puts_the_prompt_first():
+    """echo: the prompt's text, then its tokens' logprobs (the first null) before the completion's;
+    max_tokens 0: the prompt alone, no completion tokens counted."""
+    def t(token_id, text, logprob, rank=1):
+        return TokenLogprob(token_id, text, logprob, rank)
+
+    prompt = [None, PositionLogprobs(t(2, " b", -1.0, 2), [t(3, " c", -0.5), t(2, " b", -1.0, 2)])]
+    generated = [PositionLogprobs(t(4, "!", -0.1), [t(4, "!", -0.1), t(5, "?", -2.0, 2)])]
+    result = BatchResult("r", [Choice(0, "!", "length", 1, generated)], 2, 1, 0, prompt, prompt_text="a b",
+                         first_prompt_token="a")
+
+    def row(**body):
+        return parse_row(json.dumps({"custom_id": "e", "url": "/v1/completions",
+                                     "body": {"prompt": "a b", "echo": True, **body}}), 1)
+
+    scored = row(max_tokens=0, logprobs=1)
+    assert (scored.prompt_only, scored.params.max_tokens, scored.params.prompt_logprobs, scored.prompt_logprobs) == \
+        (True, 1, 1, None)
+    body = success_row(scored, result, "m")["response"]["body"]
+    choice = body["choices"][0]
+    assert (choice["text"], choice["finish_reason"], body["usage"]["completion_tokens"]) == ("a b", "length", 0)
+    assert choice["logprobs"] == {"tokens": ["a", " b"], "token_logprobs": [None, -1.0],
+                                  "top_logprobs": [None, {" c": -0.5, " b": -1.0}], "text_offset": [0, 1]}
+    assert "prompt_logprobs" not in choice
+    body = success_row(row(max_tokens=1, logprobs=1, prompt_logprobs=0), result, "m")["response"]["body"]
+    choice = body["choices"][0]
+    assert choice["text"] == "a b!" and body["usage"]["completion_tokens"] == 1
+    assert choice["logprobs"]["tokens"] == ["a", " b", "!"] and choice["logprobs"]["text_offset"] == [0, 1, 3]
+    assert choice["logprobs"]["top_logprobs"][2] == {"!": -0.1}
+    assert choice["prompt_logprobs"] == [None, {"2": {"logprob": -1.0, "rank": 2, "decoded_token": " b"}}]
+    plain = success_row(row(max_tokens=1), BatchResult("r", [Choice(0, "!", "length", 1)], 2, 1, prompt_text="a b"),
+                        "m")["response"]["body"]["choices"][0]
+    assert (plain["text"], plain["logprobs"]) == ("a b!", None)
 
 
 def test_duplicate_ids_are_refused_before_any_work(tmp_path, capsys):
@@ -314,7 +353,17 @@ LOGPROB_ROWS = [
     {"custom_id": "lp-too-many", "method": "POST", "url": "/v1/completions", "body": {
         "prompt": "x", "logprobs": 21}},
     {"id": "lp-plain", "prompt": "One, two, three,", "max_tokens": 4, "temperature": 0, "n": 2, "logprobs": 0},
+    # An evaluation harness's loglikelihood request: the prompt scored, nothing generated.
+    {"custom_id": "lp-echo", "method": "POST", "url": "/v1/completions", "body": {
+        "prompt": "The capital of France is Paris", "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}},
 ]
+ECHO_IDS_TEXT = "Deux et deux font quatre, café"  # its token ids make the lp-echo-ids row
+
+
+def echo_ids_row(tokenizer) -> dict:
+    return {"custom_id": "lp-echo-ids", "method": "POST", "url": "/v1/completions", "body": {
+        "prompt": tokenizer.encode(ECHO_IDS_TEXT), "max_tokens": 3, "echo": True, "logprobs": 2, "temperature": 0,
+        "prompt_logprobs": 1}}
 
 
 @pytest.fixture(scope="module")
@@ -327,9 +376,10 @@ def logprob_job(tmp_path_factory, bundled_dir):
     llm = LLM(bundled_dir, dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20)
     folder = tmp_path_factory.mktemp("logprobs")
     src, out = folder / "in.jsonl", folder / "out.jsonl"
-    src.write_text("\n".join(json.dumps(r) for r in LOGPROB_ROWS) + "\n")
+    rows = [*LOGPROB_ROWS, echo_ids_row(llm.get_tokenizer())]
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     summary = run_job(str(src), str(out), LocalBackend(llm.llm_engine), progress=False)
-    assert (summary.rows_ok, summary.rows_failed) == (4, 1)
+    assert (summary.rows_ok, summary.rows_failed) == (6, 1)
     for line in out.read_text().splitlines():
         strict_json(line)
     return llm, src, output_rows(out)
@@ -402,6 +452,38 @@ def test_logprob_rows_in_process_give_what_generate_gives(logprob_job):
         assert len(choice["logprobs"]["tokens"]) == 4 and all(len(t) == 1 for t in choice["logprobs"]["top_logprobs"])
     assert "max_logprobs" in rows["lp-too-many"]["error"]["message"]
 
+    # echo, max_tokens 0: the prompt's text and its tokens' logprobs (the first null), nothing generated
+    prompt = "The capital of France is Paris"
+    want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    body = rows["lp-echo"]["response"]["body"]
+    choice = body["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert lp["tokens"] == texts(want.prompt_token_ids) and "".join(lp["tokens"]) == prompt
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(
+        [e[t].logprob for t, e in zip(want.prompt_token_ids[1:], want.prompt_logprobs[1:])], abs=1e-6)
+    for top, token, entry in zip(lp["top_logprobs"][1:], want.prompt_token_ids[1:], want.prompt_logprobs[1:]):
+        expected = {e.decoded_token: e.logprob for _, e in ranked(entry, 1)}
+        expected.setdefault(entry[token].decoded_token, entry[token].logprob)
+        assert top == pytest.approx(expected, abs=1e-6)
+    assert "prompt_logprobs" not in choice, "echo asks the engine for prompt logprobs; the row did not"
+
+    # echo of a token-id prompt (decoded here) before 3 generated tokens, logprobs 2; prompt_logprobs 1 too
+    ids = tok.encode(ECHO_IDS_TEXT)
+    want = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, logprobs=2,
+                                                                  prompt_logprobs=2), use_tqdm=False)[0]
+    c = want.outputs[0]
+    choice = rows["lp-echo-ids"]["response"]["body"]["choices"][0]
+    assert choice["text"] == ECHO_IDS_TEXT + c.text
+    lp = choice["logprobs"]
+    assert lp["tokens"] == texts(ids) + texts(c.token_ids)
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    assert lp["token_logprobs"][len(ids):] == pytest.approx([e[t].logprob for t, e in zip(c.token_ids, c.logprobs)],
+                                                            abs=1e-6)
+    assert all(len(t) in (2, 3) for t in lp["top_logprobs"][1:])
+    assert all(len(e) in (1, 2) for e in choice["prompt_logprobs"][1:]), "the row's prompt_logprobs 1, not echo's 2"
+
 
 def compare_logprob_rows(got: dict[str, dict], want: dict[str, dict]) -> None:
     """Rows of the logprob job through gRPC against the in-process ones: the same texts, tokens and
@@ -409,7 +491,7 @@ def compare_logprob_rows(got: dict[str, dict], want: dict[str, dict]) -> None:
     assert sorted(got) == sorted(want)
     assert got["lp-too-many"]["error"]["code"] == "invalid_request"
     assert "max_logprobs" in got["lp-too-many"]["error"]["message"]
-    for key in ("lp-chat", "lp-chat-0", "lp-cmpl", "lp-plain"):
+    for key in ("lp-chat", "lp-chat-0", "lp-cmpl", "lp-plain", "lp-echo", "lp-echo-ids"):
         g, w = got[key]["response"]["body"], want[key]["response"]["body"]
         assert g["usage"] == w["usage"], key
         for gc, wc in zip(g["choices"], w["choices"], strict=True):
@@ -421,8 +503,8 @@ def compare_logprob_rows(got: dict[str, dict], want: dict[str, dict]) -> None:
                 assert [x["logprob"] for x in glp["content"]] == pytest.approx([x["logprob"] for x in wlp["content"]],
                                                                                abs=1e-4)
             else:
-                assert (glp["tokens"], glp["text_offset"]) == (wlp["tokens"], wlp["text_offset"])
-                assert [list(t) for t in glp["top_logprobs"]] == [list(t) for t in wlp["top_logprobs"]]
+                assert (gc["text"], glp["tokens"], glp["text_offset"]) == (wc["text"], wlp["tokens"], wlp["text_offset"])
+                assert [t and list(t) for t in glp["top_logprobs"]] == [t and list(t) for t in wlp["top_logprobs"]]
                 assert glp["token_logprobs"] == pytest.approx(wlp["token_logprobs"], abs=1e-4)
         gp = g.get("prompt_logprobs") or g["choices"][0].get("prompt_logprobs")
         wp = w.get("prompt_logprobs") or w["choices"][0].get("prompt_logprobs")
@@ -531,10 +613,20 @@ def test_rows_straight_to_an_engine_service(rows_file, stack, tmp_path):
 def test_logprob_rows_through_grpc_match_in_process(logprob_job, stack, tmp_path, through):
     """The logprob rows through a router or straight to an engine service: token texts come over
     gRPC (TokenLogprob.token), so the rows read as the in-process job's."""
-    _, src, want = logprob_job
+    llm, src, want = logprob_job
     out = tmp_path / "results.jsonl"
-    done = subprocess.run(batch_command("--input", str(src), "--output", str(out), f"--{through}", stack[through]),
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    command = batch_command("--input", str(src), "--output", str(out), f"--{through}", stack[through])
+    if through == "router":
+        # Echo rows with logprobs or token ids need the tokenizer on this side: without it they fail, alone.
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = output_rows(out)
+        for key in ("lp-echo", "lp-echo-ids"):
+            assert "need the model's tokenizer here (--tokenizer DIR)" in rows[key]["error"]["message"]
+        assert rows["lp-cmpl"]["error"] is None
+        out.unlink()
+        command += ["--tokenizer", llm.llm_engine.model_dir]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for line in out.read_text().splitlines():
         strict_json(line)
