@@ -213,9 +213,7 @@ class AsyncEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.engine.validate_prompt(token_ids)
-        bad_stop = [t for t in params.stop_token_ids if t >= self.engine.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids contains {bad_stop[0]}, outside the vocabulary [0, {self.engine.vocab_size})")
+        self.engine.validate_params(params)
         stream = RequestStream(request_id, self.max_stream_buffer, self._overrun)
         try:
             await self._submit(self._add, stream, {"prompt": text, "prompt_token_ids": token_ids}, params,

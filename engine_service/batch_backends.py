@@ -198,6 +198,10 @@ def sampling_params_to_proto(params: SamplingParams):
         p.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         p.prompt_logprobs = params.prompt_logprobs
+    if params.logit_bias:
+        p.logit_bias.update(params.logit_bias)
+    if params.allowed_token_ids:
+        p.allowed_token_ids.extend(params.allowed_token_ids)
     so = params.structured_outputs
     if so is not None:
         kind = so.kind

@@ -50,6 +50,7 @@ _SAMPLING_FIELDS = {
     "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
     "stop_token_ids": "stop_token_ids", "skip_special_tokens": "skip_special_tokens",
     "include_stop_str_in_output": "include_stop_str_in_output", "structured_outputs": "structured_outputs",
+    "allowed_token_ids": "allowed_token_ids",
 }
 # Logprob fields, read by hand: their type differs by endpoint (chat: logprobs true + top_logprobs k;
 # completions: logprobs k); prompt_logprobs is vLLM's, on both.
@@ -186,7 +187,8 @@ def _parse_plain(obj: dict, key: str, line: int) -> BatchRequest:
 
 def _build(body: dict, key: str, custom_id: str, line: int, endpoint: str, where: str) -> BatchRequest:
     input_field = "messages" if endpoint == "chat" else "prompt"
-    allowed = {input_field} | set(_SAMPLING_FIELDS) | _IGNORED_FIELDS | {"response_format"} | _LOGPROB_FIELDS[endpoint]
+    allowed = ({input_field, "response_format", "logit_bias"} | set(_SAMPLING_FIELDS) | _IGNORED_FIELDS
+               | _LOGPROB_FIELDS[endpoint])
     for name in body:
         if name not in allowed:
             other = "prompt" if input_field == "messages" else "messages"
@@ -216,6 +218,8 @@ def _build(body: dict, key: str, custom_id: str, line: int, endpoint: str, where
     if "max_tokens" not in kwargs:
         kwargs["max_tokens"] = DEFAULT_COMPLETION_MAX_TOKENS if endpoint == "completions" else None
     kwargs.update(_logprob_params(body, endpoint, where))
+    if body.get("logit_bias") is not None:
+        kwargs["logit_bias"] = _logit_bias(body["logit_bias"], where)
     asked_prompt_logprobs = kwargs.get("prompt_logprobs")
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
@@ -241,6 +245,23 @@ def _build(body: dict, key: str, custom_id: str, line: int, endpoint: str, where
     model = body.get("model") if isinstance(body.get("model"), str) else None
     return BatchRequest(key, custom_id, line, endpoint, params, prompt, messages, model, echo, prompt_only,
                         asked_prompt_logprobs)
+
+
+def _logit_bias(value, where: str) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids (JSON object keys, so strings) to biases in [-100, 100]."""
+    name = f"{where}logit_bias"
+    if not isinstance(value, dict):
+        raise RowError("invalid_request", f"{name} must be an object of token id to bias, got {type(value).__name__}")
+    result = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise RowError("invalid_request", f"{name} keys must be token ids, got {key!r}") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise RowError("invalid_request", f"{name}[{key!r}] must be a number in [-100, 100], got {bias!r}")
+        result[token] = float(bias)
+    return result
 
 
 def _logprob_params(body: dict, endpoint: str, where: str) -> dict:

@@ -66,6 +66,20 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: this engine's max_logprobs and vocabulary."""
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.config.max_logprobs:
+                raise ValueError(f"SamplingParams.{name} is {asked}, above this engine's max_logprobs "
+                                 f"({self.config.max_logprobs})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} contains {bad[0]}, outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Accepts a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...}."""
         if isinstance(prompt, dict):
@@ -100,14 +114,7 @@ class LLMEngine:
         params = (params or SamplingParams()).clone()
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
-        for name in ("logprobs", "prompt_logprobs"):
-            asked = getattr(params, name)
-            if asked is not None and asked > self.config.max_logprobs:
-                raise ValueError(f"SamplingParams.{name} is {asked}, above this engine's max_logprobs "
-                                 f"({self.config.max_logprobs})")
-        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids contains {bad_stop[0]}, outside the vocabulary [0, {self.vocab_size})")
+        self.validate_params(params)
         grammar_key = None
         if params.structured_outputs is not None:
             grammar_key = self.structured_output.compile(params.structured_outputs)

@@ -40,11 +40,11 @@ class SamplingBatch:
     @cached_property
     def argmax_only(self) -> bool:
         """Whether every row just takes the argmax of its logits as they are: greedy, no
-        penalties, no min_tokens still to reach, no logprobs, no grammar (worked out once a step:
+        penalties or logit bias, no min_tokens still to reach, no logprobs, no grammar (worked out once a step:
         the runner and the sampler both ask)."""
         return self.structured is None and all(
-            p.greedy and p.logprobs is None and not _has_penalties(p) and len(out) >= p.min_tokens
-            for p, out in zip(self.params, self.output_token_ids))
+            p.greedy and p.logprobs is None and not _has_penalties(p) and not _has_bias(p)
+            and len(out) >= p.min_tokens for p, out in zip(self.params, self.output_token_ids))
 
 
 @dataclass
@@ -105,11 +105,14 @@ class Sampler:
         structured = batch.structured
 
         raw = logits
+        biased = [i for i, p in enumerate(params) if _has_bias(p)]
         if self.sample is None or structured is not None:
             logits = logits.float()  # (the kernel reads bf16 logits as they are)
         if structured is not None:
             # First, as in vLLM: the grammar decides which tokens exist, the rest samples among them.
             logits = structured.masker.apply(logits, structured)
+        if biased:  # then allowed_token_ids and logit_bias, before penalties (vLLM's order)
+            logits = self._apply_bias(logits, params, biased)
         if self.sample is not None:  # the penalties and min_tokens' ban too, row by row
             sampled = self._sample_rows(logits, batch, penalized, min_tokens_rows)
         else:
@@ -119,6 +122,27 @@ class Sampler:
             return SamplerOutput(sampled, None, None, None)
         token_lp, rank, top_ids, top_lp = self.logprobs(raw, sampled, min(max(num_logprobs), self.vocab_size))
         return SamplerOutput(sampled, token_lp, top_ids, top_lp, rank)
+
+    def _apply_bias(self, logits: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> torch.Tensor:
+        """A float32 copy of ``logits`` with each of ``rows``' tokens outside its allowed_token_ids at
+        -inf and its logit_bias added (one scatter for the batch, never the input tensor)."""
+        logits = logits.to(torch.float32, copy=True)
+        allowed = [i for i in rows if params[i].allowed_token_ids]
+        if allowed:
+            idx = torch.tensor(allowed)
+            lists = [params[i].allowed_token_ids for i in allowed]
+            col = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long)
+            row = torch.repeat_interleave(torch.arange(len(lists)), torch.tensor([len(x) for x in lists]))
+            keep = torch.zeros(len(allowed), logits.shape[1], dtype=torch.bool)
+            keep[row, col] = True
+            logits[idx] = logits[idx].masked_fill_(~keep, _NEG_INF)
+        biased = [i for i in rows if params[i].logit_bias]
+        if biased:
+            row = torch.tensor([i for i in biased for _ in params[i].logit_bias])
+            col = torch.tensor([t for i in biased for t in params[i].logit_bias])
+            bias = torch.tensor([b for i in biased for b in params[i].logit_bias.values()], dtype=torch.float32)
+            logits.index_put_((row, col), bias, accumulate=True)
+        return logits
 
     def _apply_penalties(
         self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]
@@ -284,6 +308,10 @@ def _flat(lists) -> tuple[torch.Tensor, torch.Tensor]:
     starts = torch.zeros(len(lists) + 1, dtype=torch.long)
     torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0, out=starts[1:])
     return torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long), starts
+
+
+def _has_bias(p: SamplingParams) -> bool:
+    return bool(p.logit_bias) or p.allowed_token_ids is not None
 
 
 def _has_penalties(p: SamplingParams) -> bool:

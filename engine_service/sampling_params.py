@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import json as _json
+import math
 from dataclasses import dataclass, field, fields
 
 # Temperatures below this are greedy (argmax), as in vLLM.
@@ -118,6 +119,11 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # A JSON schema / regex / choice / grammar the output must follow (a dict is converted).
     structured_outputs: StructuredOutputsParams | dict | None = None
+    # Added to the token's logit before penalties and sampling (greedy rows too), as vLLM and
+    # OpenAI's logit_bias; -inf bans it. Keys are token ids.
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
     # Filled in by the engine from the model's generation config (EOS ids beyond the tokenizer's).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -183,6 +189,15 @@ class SamplingParams:
             fail("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "a list of non-negative integers")
+        if self.logit_bias is not None and (not isinstance(self.logit_bias, dict) or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 or isinstance(b, bool)
+                or not isinstance(b, (int, float)) or math.isnan(b) or b == math.inf
+                for t, b in self.logit_bias.items())):
+            fail("logit_bias", "a dict of token id (an integer >= 0) to a bias (a number, < +inf)")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            fail("allowed_token_ids", "a non-empty list of token ids (integers >= 0)")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", "a RequestOutputKind (CUMULATIVE 0, DELTA 1 or FINAL_ONLY 2)")
 

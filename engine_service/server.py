@@ -59,6 +59,10 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     kwargs = {name: getattr(p, name) for name in _OPTIONAL_PARAMS if p.HasField(name)}
     if p.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_outputs_from_proto(p.structured_outputs)
+    if p.logit_bias:
+        kwargs["logit_bias"] = dict(p.logit_bias)
+    if p.allowed_token_ids:
+        kwargs["allowed_token_ids"] = list(p.allowed_token_ids)
     return SamplingParams(
         top_k=p.top_k, min_p=p.min_p, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), include_stop_str_in_output=p.include_stop_str_in_output,

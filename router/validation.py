@@ -30,12 +30,14 @@ class Limits:
     max_stop: int = 16
     max_stop_chars: int = 256
     max_stop_token_ids: int = 64
+    max_logit_bias: int = 300  # OpenAI's limit on logit_bias entries
     max_messages: int = 256
     affinity_prefix_tokens: int = 64
     """Prompts sharing their first this-many tokens (rounded down to whole KV blocks) share an affinity key."""
 
     def __post_init__(self):
-        for name in ("max_priority", "max_n", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_messages"):
+        for name in ("max_priority", "max_n", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_logit_bias",
+                     "max_messages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.affinity_prefix_tokens < 0:
@@ -107,6 +109,17 @@ def _check_sampling(p: common_pb2.SamplingParams, limits: Limits, model: ModelLi
     bad = [t for t in p.stop_token_ids if t >= model.vocab_size]
     if bad:
         fail("stop_token_ids", f"ids in the vocabulary [0, {model.vocab_size})", bad[0])
+    if len(p.logit_bias) > limits.max_logit_bias:
+        fail("logit_bias", f"at most {limits.max_logit_bias} entries", f"{len(p.logit_bias)} entries")
+    bad = sorted(t for t in p.logit_bias if t >= model.vocab_size)
+    if bad:
+        fail("logit_bias", f"token ids in the vocabulary [0, {model.vocab_size})", bad[0])
+    bad = [b for b in p.logit_bias.values() if math.isnan(b) or b == math.inf]
+    if bad:
+        fail("logit_bias", "biases that are numbers below +inf", bad[0])
+    bad = [t for t in p.allowed_token_ids if t >= model.vocab_size]
+    if bad:
+        fail("allowed_token_ids", f"ids in the vocabulary [0, {model.vocab_size})", bad[0])
 
 
 def validate(request: router_pb2.GenerateRequest, tokenizer: PromptTokenizer, model: ModelLimits,

@@ -18,6 +18,7 @@ import jsonschema
 import pytest
 
 from engine_service.batch import DuplicateIds, main, read_done, run_job
+from engine_service.batch_backends import sampling_params_to_proto
 from engine_service.batch_rows import (BatchResult, Choice, PositionLogprobs, RowError, TokenLogprob, parse_row,
                                        success_row)
 
@@ -168,11 +169,20 @@ def test_logprob_fields_map_by_endpoint():
     assert parse_row('{"id": "p", "prompt": "x", "logprobs": 1}', 1).params.logprobs == 1
 
 
+def test_logit_bias_and_allowed_token_ids_map_to_sampling_params():
+    row = parse_row(json.dumps({"custom_id": "a", "url": "/v1/chat/completions", "body": {
+        "messages": [{"role": "user", "content": "x"}], "logit_bias": {"50256": -100, "7": 2.5},
+        "allowed_token_ids": [7, 8]}}), 1)
+    assert row.params.logit_bias == {50256: -100.0, 7: 2.5} and row.params.allowed_token_ids == [7, 8]
+    proto = sampling_params_to_proto(row.params)
+    assert dict(proto.logit_bias) == {50256: -100.0, 7: 2.5} and list(proto.allowed_token_ids) == [7, 8]
+
+
 @pytest.mark.parametrize("row, message", [
     ('{"custom_id": "a", ', r"line 5 is not valid JSON"),
     ('[1, 2]', r"must be a JSON object"),
-    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "logit_bias": {}}}',
-     r"unsupported field body\.logit_bias"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "suffix": "y"}}',
+     r"unsupported field body\.suffix"),
     ('{"custom_id": "a", "url": "/v1/completions", "body": {"messages": []}}',
      r"unsupported field body\.messages \('messages' belongs to the other endpoint\)"),
     ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "temperature": -1}}',
@@ -205,6 +215,14 @@ def test_logprob_fields_map_by_endpoint():
     ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 0}}',
      r"body\.max_tokens must be >= 1 \(0 only with body\.echo: true\)"),
     ('{"id": "a", "prompt": "x", "prompt_logprobs": "2"}', r"^prompt_logprobs must be an integer >= 0, got '2'"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "logit_bias": {"7": 101}}}',
+     r"body\.logit_bias\['7'\] must be a number in \[-100, 100\], got 101"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "logit_bias": {"seven": 1}}}',
+     r"body\.logit_bias keys must be token ids, got 'seven'"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "logit_bias": [7]}}',
+     r"body\.logit_bias must be an object of token id to bias, got list"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "allowed_token_ids": []}}',
+     r"allowed_token_ids must be a non-empty list"),
 ])
 def test_bad_rows_become_row_errors_naming_the_field(row, message):
     with pytest.raises(RowError, match=message):

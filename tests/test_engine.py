@@ -261,6 +261,11 @@ def test_bad_requests_fail_alone(tiny_llama_dir, prompts, reference):
         engine.add_request("lp", [1, 2], SamplingParams(logprobs=21))
     with pytest.raises(ValueError, match=r"prompt_logprobs is 21, above this engine's max_logprobs \(20\)"):
         engine.add_request("plp", [1, 2], SamplingParams(prompt_logprobs=21))
+    for name, params in (("stop_token_ids", SamplingParams(stop_token_ids=[3, 49152])),
+                         ("logit_bias", SamplingParams(logit_bias={2: 1.0, 49160: -1.0})),
+                         ("allowed_token_ids", SamplingParams(allowed_token_ids=[49152]))):
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{name} contains 491\d\d, outside the vocabulary"):
+            engine.add_request(name, [1, 2], params)
     assert not engine.has_unfinished_requests()
     batch = [{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": [7] * 500}, {"prompt_token_ids": prompts[1]}, ""]
     outputs = llm.generate(batch, GREEDY, use_tqdm=False)
@@ -268,6 +273,51 @@ def test_bad_requests_fail_alone(tiny_llama_dir, prompts, reference):
     assert outputs[2].outputs[0].token_ids == reference[1]
     assert outputs[1].error and "max_model_len" in outputs[1].error and not outputs[1].outputs
     assert outputs[3].error and "empty" in outputs[3].error
+
+
+def hf_greedy_transformed(model, prompt_ids: list[int], max_new: int, transform) -> list[int]:
+    """Greedy decoding with transformers, ``transform`` applied to each step's fp32 logits."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = transform(model(torch.tensor([ids])).logits[0, -1].float())
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids):]
+
+
+@pytest.mark.parametrize("speculative", [0, 4])
+def test_logit_bias_and_allowed_token_ids_match_transformers(tiny_llama_dir, hf_tiny, prompts, reference, speculative):
+    """Greedy rows with a logit_bias or allowed_token_ids take the argmax of the biased / masked
+    logits at every step, beside an unbiased row that is unchanged, with and without speculative
+    decoding (which must leave such rows alone: its drafts are checked against the plain argmax)."""
+    n = 10
+    bias = {reference[0][2]: -4.0, 1000: 6.0, 77: float("-inf")}
+    allowed = sorted({*reference[1][:6], 5, 1000, 4321})
+
+    def with_bias(logits):
+        logits = logits.clone()
+        for t, b in bias.items():
+            logits[t] += b
+        return logits
+
+    def only_allowed(logits):
+        masked = torch.full_like(logits, float("-inf"))
+        masked[allowed] = logits[allowed]
+        return masked
+
+    want_bias = hf_greedy_transformed(hf_tiny, prompts[0], n, with_bias)
+    want_allowed = hf_greedy_transformed(hf_tiny, prompts[1], n, only_allowed)
+    assert want_bias != reference[0][:n] and want_allowed != reference[1][:n], "the bias must change the output"
+    llm = LLM(tiny_llama_dir, dtype="float32", num_speculative_tokens=speculative)
+    plain = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    outputs = llm.generate(
+        [{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": prompts[1]}, {"prompt_token_ids": prompts[2]}],
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logit_bias=bias),
+         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, allowed_token_ids=allowed), plain],
+        use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == want_bias
+    assert outputs[1].outputs[0].token_ids == want_allowed and set(want_allowed) <= set(allowed)
+    assert outputs[2].outputs[0].token_ids == reference[2][:n]
 
 
 def test_kv_budget_too_small_fails_at_startup(tiny_llama_dir):

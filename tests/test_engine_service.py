@@ -205,6 +205,31 @@ def test_64_concurrent_greedy_streams_equal_offline_generate(bundled_server, off
 
 
 @pytest.mark.slow
+def test_logit_bias_and_allowed_token_ids_over_grpc_as_offline(bundled_server, offline):
+    """logit_bias and allowed_token_ids in common.proto's SamplingParams reach the engine's sampler:
+    the same tokens as LLM.generate with the same parameters, and not the unbiased ones."""
+    prompt = PROMPTS[0]
+    plain = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    bias = {plain[0]: -100.0, plain[1]: -100.0}
+    allowed = [plain[2], 28, 30, 1000]
+    cases = [dict(logit_bias=bias), dict(allowed_token_ids=allowed)]
+    expected = [offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, **c),
+                                 use_tqdm=False)[0].outputs[0].token_ids for c in cases]
+
+    async def main():
+        async with grpc.aio.insecure_channel(bundled_server.target) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            return await asyncio.gather(*(
+                generate(stub, request(f"bias-{i}", prompt, temperature=0.0, max_tokens=6, ignore_eos=True, **c))
+                for i, c in enumerate(cases)))
+
+    biased, only = asyncio.run(main())
+    assert biased.token_ids == expected[0] and not {plain[0], plain[1]} & set(biased.token_ids)
+    assert only.token_ids == expected[1] and set(only.token_ids) <= set(allowed) and only.token_ids != plain
+
+
+@pytest.mark.slow
 def test_logprobs_and_prompt_logprobs_stream_as_offline_generate_gives_them(bundled_server, offline):
     """Each position's token, logprob and rank and its top `logprobs` (exactly that many, by rank;
     the sampled token's own entry beside them when it is not among them), and the prompt tokens'
@@ -368,6 +393,10 @@ def test_bad_input_and_overload_are_refused_while_others_stream(tiny_llama_dir):
         "min_tokens": (request("b13", "x", max_tokens=4, min_tokens=5), CODES.INVALID_ARGUMENT, "min_tokens"),
         "stop_token_ids": (request("b14", "x", stop_token_ids=[10 ** 6]), CODES.INVALID_ARGUMENT, "stop_token_ids"),
         "stop": (request("b15", "x", stop=[""]), CODES.INVALID_ARGUMENT, "stop"),
+        "logit_bias": (request("b16", "x", logit_bias={10 ** 6: 1.0}), CODES.INVALID_ARGUMENT, "logit_bias"),
+        "logit_bias value": (request("b17", "x", logit_bias={5: float("nan")}), CODES.INVALID_ARGUMENT, "logit_bias"),
+        "allowed_token_ids": (request("b18", "x", allowed_token_ids=[49152]), CODES.INVALID_ARGUMENT,
+                              "allowed_token_ids"),
         "duplicate": (request("long-0", "x"), CODES.ALREADY_EXISTS, "request_id"),
         "overload": (request("over", "x"), CODES.RESOURCE_EXHAUSTED, "max_waiting_requests"),
     }

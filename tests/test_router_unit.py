@@ -60,13 +60,28 @@ def test_good_values_pass_both(tokenizer):
 
     good = dict(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=1.0, frequency_penalty=-1.0,
                 repetition_penalty=1.1, max_tokens=8, min_tokens=2, n=2, seed=7, logprobs=5, stop=["\n"],
-                stop_token_ids=[2])
+                stop_token_ids=[2], logit_bias={2: 1.5, 9: -100.0}, allowed_token_ids=[2, 3, 9])
     SamplingParams(**good)
     valid = validate(router_pb2.GenerateRequest(prompt="hi", priority=3, sampling=common_pb2.SamplingParams(**good)),
                      tokenizer, MODEL, Limits(), "rid")
     assert valid.engine_request.request_id == "rid" and valid.priority == 3
     assert list(valid.engine_request.prompt_token_ids.ids) == tokenizer.encode("hi") == valid.prompt_token_ids
     assert valid.engine_request.sampling_params.max_tokens == 8 and valid.engine_request.priority == 3
+    sent = valid.engine_request.sampling_params
+    assert dict(sent.logit_bias) == {2: 1.5, 9: -100.0} and list(sent.allowed_token_ids) == [2, 3, 9]
+
+
+@pytest.mark.parametrize("sampling, message", [
+    ({"logit_bias": {49152: 1.0}}, r"sampling\.logit_bias must be token ids in the vocabulary \[0, 49152\), got 49152"),
+    ({"logit_bias": {3: float("nan")}}, r"sampling\.logit_bias must be biases that are numbers below \+inf, got nan"),
+    ({"logit_bias": {3: float("inf")}}, r"sampling\.logit_bias must be biases"),
+    ({"logit_bias": {t: 1.0 for t in range(301)}}, r"sampling\.logit_bias must be at most 300 entries, got '301 entries'"),
+    ({"allowed_token_ids": [4, 60000]}, r"sampling\.allowed_token_ids must be ids in the vocabulary"),
+])
+def test_bias_fields_are_checked(tokenizer, sampling, message):
+    with pytest.raises(ValueError, match=message):
+        validate(router_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(**sampling)), tokenizer,
+                 MODEL, Limits(), "r")
 
 
 def test_prompt_length_limit_and_prefix_key(tokenizer):

@@ -369,6 +369,88 @@ def test_min_tokens_only_affects_its_own_row():
     assert out.sampled_token_ids[0] != EOS and out.sampled_token_ids[1] == EOS
 
 
+# ---------------------------------------------------------------- logit_bias, allowed_token_ids
+
+
+def test_logit_bias_moves_greedy_and_random_rows_and_only_their_own():
+    vocab = 40
+    logits = torch.randn(6, vocab)
+    target = int(logits[0].argmin())
+    top = int(logits[3].argmax())
+    params = [SamplingParams(temperature=0.0, logit_bias={target: 100.0}),  # the least likely becomes the argmax
+              SamplingParams(temperature=0.0),                               # no bias: its own argmax
+              SamplingParams(temperature=0.9, seed=3, logit_bias={target: 100.0}),
+              SamplingParams(temperature=0.0, logit_bias={top: float("-inf")}),  # banned
+              SamplingParams(temperature=0.0, logit_bias={5: 0.5, 7: -0.25}),
+              SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={9: 3.0})]
+    out = new_sampler(vocab, {EOS})(logits, make_batch(params, prompts=[[9]] * 6))
+    got = out.sampled_token_ids.tolist()
+    assert got[0] == target and got[2] == target and got[1] == int(logits[1].argmax())
+    biased = logits[3].clone()
+    biased[top] = float("-inf")
+    assert got[3] == int(biased.argmax())
+    expected = logits[4].clone()
+    expected[5] += 0.5
+    expected[7] -= 0.25
+    assert got[4] == int(expected.argmax())
+    # the bias first, then the repetition penalty on the biased logit (vLLM's order)
+    row = logits[5].clone()
+    row[9] += 3.0
+    row[9] = row[9] / 2.0 if row[9] > 0 else row[9] * 2.0
+    assert got[5] == int(row.argmax())
+    assert out.sampled_logprobs is None
+
+
+def test_allowed_token_ids_bound_every_row_that_has_them():
+    vocab = 50
+    logits = torch.randn(vocab) * 3
+    allowed = [3, 17, 41]
+    logits[allowed] = torch.tensor([1.0, 0.5, 2.0])  # each drawn at 1.5 often enough to be seen
+    for params in (SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+                   SamplingParams(temperature=1.5, allowed_token_ids=allowed),
+                   SamplingParams(temperature=1.5, top_k=2, allowed_token_ids=allowed, logit_bias={41: -100.0})):
+        drawn = sample_many(new_sampler(vocab, {EOS}), logits, params, 400)
+        assert set(drawn.tolist()) <= set(allowed)
+        if params.greedy:
+            assert drawn.unique().tolist() == [allowed[int(logits[allowed].argmax())]]
+        elif params.logit_bias:
+            assert set(drawn.tolist()) == {3, 17}, "41 biased away, the other two kept by top_k"
+        else:
+            assert set(drawn.tolist()) == set(allowed)
+    rows = torch.randn(2, vocab)
+    out = new_sampler(vocab, {EOS})(rows, make_batch([SamplingParams(temperature=0.0, allowed_token_ids=[8]),
+                                                      SamplingParams(temperature=0.0)]))
+    assert out.sampled_token_ids.tolist() == [8, int(rows[1].argmax())]
+
+
+def test_bias_leaves_logprobs_raw_and_the_input_untouched():
+    vocab = 30
+    logits = torch.randn(3, vocab).to(torch.bfloat16)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0, logprobs=2, logit_bias={4: 50.0}),
+              SamplingParams(temperature=0.0, logprobs=2, allowed_token_ids=[6, 7]),
+              SamplingParams(temperature=0.0, logprobs=2)]
+    out = new_sampler(vocab, {EOS})(logits, make_batch(params))
+    assert torch.equal(logits, before)
+    assert out.sampled_token_ids[0] == 4 and out.sampled_token_ids[1] in (6, 7)
+    raw = logits.float().log_softmax(-1)
+    torch.testing.assert_close(out.sampled_logprobs, raw.gather(1, out.sampled_token_ids.unsqueeze(1)).squeeze(1))
+    assert torch.equal(out.topk_token_ids, raw.topk(2, dim=-1).indices)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"logit_bias": {"3": 1.0}}, r"SamplingParams\.logit_bias must be a dict of token id"),
+    ({"logit_bias": {3: float("nan")}}, r"logit_bias must be"),
+    ({"logit_bias": {3: float("inf")}}, r"logit_bias must be"),
+    ({"logit_bias": [3]}, r"logit_bias must be"),
+    ({"allowed_token_ids": []}, r"SamplingParams\.allowed_token_ids must be a non-empty list"),
+    ({"allowed_token_ids": [1, -2]}, r"allowed_token_ids must be"),
+])
+def test_bad_bias_params_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
 # ---------------------------------------------------------------- logprobs
 
 
