@@ -212,6 +212,7 @@ class AsyncEngine:
         # Tokenize and validate here, off the engine thread; the engine re-checks (cheaply).
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = self.engine.truncate_prompt(token_ids, params)
         self.engine.validate_prompt(token_ids)
         self.engine.validate_params(params)
         stream = RequestStream(request_id, self.max_stream_buffer, self._overrun)

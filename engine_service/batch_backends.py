@@ -198,6 +198,8 @@ def sampling_params_to_proto(params: SamplingParams):
         p.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         p.prompt_logprobs = params.prompt_logprobs
+    if params.truncate_prompt_tokens is not None:
+        p.truncate_prompt_tokens = params.truncate_prompt_tokens
     if params.logit_bias:
         p.logit_bias.update(params.logit_bias)
     if params.allowed_token_ids:

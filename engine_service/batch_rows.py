@@ -50,7 +50,7 @@ _SAMPLING_FIELDS = {
     "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
     "stop_token_ids": "stop_token_ids", "skip_special_tokens": "skip_special_tokens",
     "include_stop_str_in_output": "include_stop_str_in_output", "structured_outputs": "structured_outputs",
-    "allowed_token_ids": "allowed_token_ids",
+    "allowed_token_ids": "allowed_token_ids", "truncate_prompt_tokens": "truncate_prompt_tokens",
 }
 # Logprob fields, read by hand: their type differs by endpoint (chat: logprobs true + top_logprobs k;
 # completions: logprobs k); prompt_logprobs is vLLM's, on both.
@@ -224,6 +224,9 @@ def _build(body: dict, key: str, custom_id: str, line: int, endpoint: str, where
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
         raise RowError("invalid_request", f"{where}echo must be true or false, got {echo!r}")
+    if echo and kwargs.get("truncate_prompt_tokens") is not None:
+        raise RowError("invalid_request", f"{where}echo and {where}truncate_prompt_tokens cannot be used together "
+                                          "(the echoed prompt would not be the one scored)")
     prompt_only = echo and kwargs.get("max_tokens") == 0
     if endpoint == "completions" and not echo and kwargs.get("max_tokens") == 0:
         raise RowError("invalid_request", f"{where}max_tokens must be >= 1 (0 only with {where}echo: true)")

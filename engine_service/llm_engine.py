@@ -95,6 +95,15 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
+    def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last ``params.truncate_prompt_tokens`` tokens (all of them when unset)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        if k == -1:
+            k = self.config.max_model_len - 1
+        return prompt_token_ids[-k:] if len(prompt_token_ids) > k else prompt_token_ids
+
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         n = len(prompt_token_ids)
         if n == 0:
@@ -113,6 +122,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = (params or SamplingParams()).clone()
         text, token_ids = self.tokenize_prompt(prompt)
+        token_ids = self.truncate_prompt(token_ids, params)
         self.validate_prompt(token_ids)
         self.validate_params(params)
         grammar_key = None

@@ -124,6 +124,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Only these token ids may be sampled (vLLM's allowed_token_ids).
     allowed_token_ids: list[int] | None = None
+    # Keep only the prompt's last k tokens (left truncation, vLLM's); -1: as many as max_model_len
+    # leaves room for (max_model_len - 1).
+    truncate_prompt_tokens: int | None = None
     # Filled in by the engine from the model's generation config (EOS ids beyond the tokenizer's).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -198,6 +201,10 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             fail("allowed_token_ids", "a non-empty list of token ids (integers >= 0)")
+        if self.truncate_prompt_tokens is not None and (
+                not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
+                or not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)):
+            fail("truncate_prompt_tokens", "None, an integer >= 1, or -1 for up to max_model_len - 1")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", "a RequestOutputKind (CUMULATIVE 0, DELTA 1 or FINAL_ONLY 2)")
 

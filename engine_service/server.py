@@ -42,7 +42,7 @@ _ERROR_CODES = ((ValueError, grpc.StatusCode.INVALID_ARGUMENT), (DuplicateReques
                 (EngineUnavailable, grpc.StatusCode.UNAVAILABLE))
 # Proto fields that are `optional` because their default is not zero; unset means SamplingParams' default.
 _OPTIONAL_PARAMS = ("n", "temperature", "top_p", "repetition_penalty", "seed", "logprobs", "skip_special_tokens",
-                    "prompt_logprobs")
+                    "prompt_logprobs", "truncate_prompt_tokens")
 
 
 def structured_outputs_from_proto(p: common_pb2.StructuredOutputs) -> StructuredOutputsParams | None:

@@ -160,6 +160,7 @@ def validate(request: router_pb2.GenerateRequest, tokenizer: PromptTokenizer, mo
         ids = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
     if not ids:
         raise ValueError(f"{field} is empty: it must have at least 1 token")
+    ids = _truncated(ids, request.sampling, model)
     if len(ids) >= model.max_model_len:
         raise ValueError(f"{field} has {len(ids)} tokens, but max_model_len is {model.max_model_len}: "
                          f"the prompt must be at most {model.max_model_len - 1} tokens")
@@ -170,6 +171,20 @@ def validate(request: router_pb2.GenerateRequest, tokenizer: PromptTokenizer, mo
     return ValidRequest(request_id=request_id, priority=request.priority, prompt_token_ids=ids,
                         engine_request=engine_request, prefix_key=prefix_key(ids, model.block_size,
                                                                              limits.affinity_prefix_tokens))
+
+
+def _truncated(ids: list[int], p: common_pb2.SamplingParams, model: ModelLimits) -> list[int]:
+    """The prompt's last ``sampling.truncate_prompt_tokens`` tokens, as the engine keeps them (so the
+    length check, the affinity key and the engine see the same prompt)."""
+    if not p.HasField("truncate_prompt_tokens"):
+        return ids
+    k = p.truncate_prompt_tokens
+    if k == -1:
+        k = model.max_model_len - 1
+    if k < 1:
+        raise ValueError(f"sampling.truncate_prompt_tokens must be an integer >= 1, or -1 for up to "
+                         f"max_model_len - 1, got {p.truncate_prompt_tokens}")
+    return ids[-k:] if len(ids) > k else ids
 
 
 def prefix_key(ids: list[int], block_size: int, max_tokens: int) -> str:

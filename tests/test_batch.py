@@ -176,6 +176,10 @@ def test_logit_bias_and_allowed_token_ids_map_to_sampling_params():
     assert row.params.logit_bias == {50256: -100.0, 7: 2.5} and row.params.allowed_token_ids == [7, 8]
     proto = sampling_params_to_proto(row.params)
     assert dict(proto.logit_bias) == {50256: -100.0, 7: 2.5} and list(proto.allowed_token_ids) == [7, 8]
+    assert not proto.HasField("truncate_prompt_tokens")
+    row = parse_row('{"id": "t", "prompt": "x y z", "truncate_prompt_tokens": 2}', 2)
+    assert row.params.truncate_prompt_tokens == 2
+    assert sampling_params_to_proto(row.params).truncate_prompt_tokens == 2
 
 
 @pytest.mark.parametrize("row, message", [
@@ -223,6 +227,9 @@ def test_logit_bias_and_allowed_token_ids_map_to_sampling_params():
      r"body\.logit_bias must be an object of token id to bias, got list"),
     ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "allowed_token_ids": []}}',
      r"allowed_token_ids must be a non-empty list"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "echo": true, "truncate_prompt_tokens": 4}}',
+     r"body\.echo and body\.truncate_prompt_tokens cannot be used together"),
+    ('{"id": "a", "prompt": "x", "truncate_prompt_tokens": 0}', r"truncate_prompt_tokens must be None, an integer >= 1"),
 ])
 def test_bad_rows_become_row_errors_naming_the_field(row, message):
     with pytest.raises(RowError, match=message):

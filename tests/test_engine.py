@@ -320,6 +320,29 @@ def test_logit_bias_and_allowed_token_ids_match_transformers(tiny_llama_dir, hf_
     assert outputs[2].outputs[0].token_ids == reference[2][:n]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_llama_dir, prompts, reference):
+    """The request runs on the prompt's last k tokens: the output of that shorter prompt, its
+    prompt_token_ids the kept ones; -1 keeps max_model_len - 1, so an over-long prompt runs."""
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=128)
+    long_prompt = [7, 8, 9] * 40 + prompts[0]
+    k = len(prompts[0])
+    out = llm.generate({"prompt_token_ids": long_prompt},
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, truncate_prompt_tokens=k),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompts[0] and out.outputs[0].token_ids == reference[0][:8]
+    too_long = [5, 6] * 100
+    out = llm.generate({"prompt_token_ids": too_long}, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1),
+                       use_tqdm=False)[0]
+    assert out.error is None and out.prompt_token_ids == too_long[-127:] and len(out.outputs[0].token_ids) == 1
+    short = llm.generate({"prompt_token_ids": prompts[1]},
+                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, truncate_prompt_tokens=500),
+                         use_tqdm=False)[0]
+    assert short.prompt_token_ids == prompts[1] and short.outputs[0].token_ids == reference[1][:8]
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="SamplingParams.truncate_prompt_tokens must be"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
 def test_kv_budget_too_small_fails_at_startup(tiny_llama_dir):
     with pytest.raises(ValueError, match="KV cache too small.*needs 64 blocks"):
         LLM(tiny_llama_dir, dtype="float32", max_model_len=1024, block_size=16, kv_cache_memory_bytes=10_000)

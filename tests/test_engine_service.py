@@ -205,9 +205,10 @@ def test_64_concurrent_greedy_streams_equal_offline_generate(bundled_server, off
 
 
 @pytest.mark.slow
-def test_logit_bias_and_allowed_token_ids_over_grpc_as_offline(bundled_server, offline):
+def test_logit_bias_allowed_token_ids_and_truncation_over_grpc_as_offline(bundled_server, offline):
     """logit_bias and allowed_token_ids in common.proto's SamplingParams reach the engine's sampler:
-    the same tokens as LLM.generate with the same parameters, and not the unbiased ones."""
+    the same tokens as LLM.generate with the same parameters, and not the unbiased ones;
+    truncate_prompt_tokens runs an over-long prompt on its last tokens."""
     prompt = PROMPTS[0]
     plain = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                              use_tqdm=False)[0].outputs[0].token_ids
@@ -216,15 +217,24 @@ def test_logit_bias_and_allowed_token_ids_over_grpc_as_offline(bundled_server, o
     cases = [dict(logit_bias=bias), dict(allowed_token_ids=allowed)]
     expected = [offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, **c),
                                  use_tqdm=False)[0].outputs[0].token_ids for c in cases]
+    # truncate_prompt_tokens rides in the same SamplingParams: a prompt past max_model_len runs on its tail.
+    tail = offline.get_tokenizer().encode(prompt)
+    long_prompt = [28] * 1100 + tail
+    cases.append(dict(truncate_prompt_tokens=len(tail)))
+    expected.append(offline.generate({"prompt_token_ids": tail}, SamplingParams(temperature=0.0, max_tokens=6,
+                                                                                ignore_eos=True),
+                                     use_tqdm=False)[0].outputs[0].token_ids)
 
     async def main():
         async with grpc.aio.insecure_channel(bundled_server.target) as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
             return await asyncio.gather(*(
-                generate(stub, request(f"bias-{i}", prompt, temperature=0.0, max_tokens=6, ignore_eos=True, **c))
+                generate(stub, request(f"bias-{i}", long_prompt if "truncate_prompt_tokens" in c else prompt,
+                                       temperature=0.0, max_tokens=6, ignore_eos=True, **c))
                 for i, c in enumerate(cases)))
 
-    biased, only = asyncio.run(main())
+    biased, only, truncated = asyncio.run(main())
+    assert truncated.token_ids == expected[2] and truncated.final.usage.prompt_tokens == len(tail)
     assert biased.token_ids == expected[0] and not {plain[0], plain[1]} & set(biased.token_ids)
     assert only.token_ids == expected[1] and set(only.token_ids) <= set(allowed) and only.token_ids != plain
 

@@ -84,6 +84,24 @@ def test_bias_fields_are_checked(tokenizer, sampling, message):
                  MODEL, Limits(), "r")
 
 
+def test_truncate_prompt_tokens_before_the_length_check(tokenizer):
+    ids = list(range(100, 200))  # 100 tokens; max_model_len 64
+
+    def sent(k):
+        sampling = common_pb2.SamplingParams(truncate_prompt_tokens=k)
+        valid = validate(router_pb2.GenerateRequest(prompt_token_ids=router_pb2.PromptTokenIds(ids=ids),
+                                                    sampling=sampling), tokenizer, MODEL, Limits(), "r")
+        assert valid.prompt_token_ids == list(valid.engine_request.prompt_token_ids.ids)
+        return valid.prompt_token_ids
+
+    assert sent(10) == ids[-10:] and sent(-1) == ids[-63:] and sent(63) == ids[-63:]
+    assert sent(10) != ids[:10]
+    with pytest.raises(ValueError, match="prompt_token_ids has 100 tokens, but max_model_len is 64"):
+        sent(100)
+    with pytest.raises(ValueError, match=r"sampling\.truncate_prompt_tokens must be an integer >= 1, or -1"):
+        sent(0)
+
+
 def test_prompt_length_limit_and_prefix_key(tokenizer):
     ids = list(range(100, 163))  # 63 tokens: the most max_model_len 64 allows
     validate(router_pb2.GenerateRequest(prompt_token_ids=router_pb2.PromptTokenIds(ids=ids)), tokenizer, MODEL,
