@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 from engine_service.batch_rows import (BatchRequest, BatchResult, Choice, PositionLogprobs, RowError,
                                        TokenLogprob)
+from engine_service.detokenizer import texts_of_tokens
 from engine_service.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagoda.batch")
@@ -37,11 +38,6 @@ def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def token_text(tokenizer, token_id: int) -> str:
-    """A token's text on its own, as the engine's ``Logprob.decoded_token``."""
-    return tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token_id)])
-
-
 def with_echo(req: BatchRequest, result: BatchResult, tokenizer: Callable[[], object],
               prompt_token_ids: list[int] | None = None) -> BatchResult:
     """An echo row's result with the prompt's text (a token-id prompt decoded, special tokens kept)
@@ -56,7 +52,7 @@ def with_echo(req: BatchRequest, result: BatchResult, tokenizer: Callable[[], ob
                                                 clean_up_tokenization_spaces=False)
     if req.params.logprobs is not None:
         ids = prompt_token_ids or (req.prompt if isinstance(req.prompt, list) else tokenizer().encode(req.prompt))
-        result.first_prompt_token = token_text(tokenizer(), ids[0])
+        result.first_prompt_token = texts_of_tokens(tokenizer(), ids[:1])[0]
     return result
 
 

@@ -182,11 +182,15 @@ class IncrementalDetokenizer:
         return text + "".join(self._unsent)
 
 
-def token_texts(tokenizer, vocab_size: int) -> list[str]:
-    """Each token id's text on its own, as ``Logprob.decoded_token`` gives it (vLLM's): the token
+def texts_of_tokens(tokenizer, token_ids) -> list[str]:
+    """Each token's text on its own, as ``Logprob.decoded_token`` gives it (vLLM's): the token
     converted to a string by itself, so a token holding part of a multi-byte character reads as
-    U+FFFD. Ids the tokenizer does not know (a model vocabulary padded past it) read as "".
-    Made once per engine (~0.1 s for 49k tokens) so that logprobs never decode in a step."""
-    size = max(vocab_size, len(tokenizer))
-    tokens = tokenizer.convert_ids_to_tokens(list(range(size)))
+    U+FFFD. Ids the tokenizer does not know (a model vocabulary padded past it) read as ""."""
+    tokens = tokenizer.convert_ids_to_tokens(list(token_ids))
     return [tokenizer.convert_tokens_to_string([t]) if t is not None else "" for t in tokens]
+
+
+def token_texts(tokenizer, vocab_size: int) -> list[str]:
+    """``texts_of_tokens`` of the whole vocabulary, made once per engine (~0.1 s for 49k tokens) so
+    that logprobs never decode in a step."""
+    return texts_of_tokens(tokenizer, range(max(vocab_size, len(tokenizer))))
