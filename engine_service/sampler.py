@@ -112,7 +112,9 @@ class Sampler:
             # First, as in vLLM: the grammar decides which tokens exist, the rest samples among them.
             logits = structured.masker.apply(logits, structured)
         if biased:  # then allowed_token_ids and logit_bias, before penalties (vLLM's order)
-            logits = self._apply_bias(logits, params, biased)
+            # In place on a float32 tensor of the sampler's own: copied here only if it is still the input.
+            own = logits.to(torch.float32, copy=True) if logits is raw else logits
+            logits = self._apply_bias(own, params, biased)
         if self.sample is not None:  # the penalties and min_tokens' ban too, row by row
             sampled = self._sample_rows(logits, batch, penalized, min_tokens_rows)
         else:
@@ -124,9 +126,8 @@ class Sampler:
         return SamplerOutput(sampled, token_lp, top_ids, top_lp, rank)
 
     def _apply_bias(self, logits: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> torch.Tensor:
-        """A float32 copy of ``logits`` with each of ``rows``' tokens outside its allowed_token_ids at
-        -inf and its logit_bias added (one scatter for the batch, never the input tensor)."""
-        logits = logits.to(torch.float32, copy=True)
+        """``logits`` (float32, the sampler's own copy) with each of ``rows``' tokens outside its
+        allowed_token_ids at -inf and its logit_bias added, in place (one scatter for the batch)."""
         allowed = [i for i in rows if params[i].allowed_token_ids]
         if allowed:
             idx = torch.tensor(allowed)
