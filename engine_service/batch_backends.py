@@ -200,6 +200,8 @@ def sampling_params_to_proto(params: SamplingParams):
         p.logit_bias.update(params.logit_bias)
     if params.allowed_token_ids:
         p.allowed_token_ids.extend(params.allowed_token_ids)
+    if params.bad_words:
+        p.bad_words.extend(params.bad_words)
     so = params.structured_outputs
     if so is not None:
         kind = so.kind

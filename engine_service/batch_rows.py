@@ -51,6 +51,7 @@ _SAMPLING_FIELDS = {
     "stop_token_ids": "stop_token_ids", "skip_special_tokens": "skip_special_tokens",
     "include_stop_str_in_output": "include_stop_str_in_output", "structured_outputs": "structured_outputs",
     "allowed_token_ids": "allowed_token_ids", "truncate_prompt_tokens": "truncate_prompt_tokens",
+    "bad_words": "bad_words",
 }
 # Logprob fields, read by hand: their type differs by endpoint (chat: logprobs true + top_logprobs k;
 # completions: logprobs k); prompt_logprobs is vLLM's, on both.

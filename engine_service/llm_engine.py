@@ -80,6 +80,16 @@ class LLMEngine:
                 raise ValueError(f"SamplingParams.{name} contains {bad[0]}, outside the vocabulary "
                                  f"[0, {self.vocab_size})")
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token sequences: the word as it stands (leading whitespace dropped) and
+        after a space, the form it takes inside a text; the same sequence once."""
+        sequences: dict[tuple[int, ...], None] = {}
+        for word in words:
+            word = word.lstrip()
+            for text in (word, " " + word):
+                sequences[tuple(self.tokenizer.encode(text, add_special_tokens=False))] = None
+        return [list(s) for s in sequences if s]
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Accepts a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...}."""
         if isinstance(prompt, dict):
@@ -125,6 +135,8 @@ class LLMEngine:
         token_ids = self.truncate_prompt(token_ids, params)
         self.validate_prompt(token_ids)
         self.validate_params(params)
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         grammar_key = None
         if params.structured_outputs is not None:
             grammar_key = self.structured_output.compile(params.structured_outputs)

@@ -111,10 +111,10 @@ class Sampler:
         if structured is not None:
             # First, as in vLLM: the grammar decides which tokens exist, the rest samples among them.
             logits = structured.masker.apply(logits, structured)
-        if biased:  # then allowed_token_ids and logit_bias, before penalties (vLLM's order)
+        if biased:  # then allowed_token_ids, bad_words and logit_bias, before penalties (vLLM's order)
             # In place on a float32 tensor of the sampler's own: copied here only if it is still the input.
             own = logits.to(torch.float32, copy=True) if logits is raw else logits
-            logits = self._apply_bias(own, params, biased)
+            logits = self._apply_bias(own, batch, biased)
         if self.sample is not None:  # the penalties and min_tokens' ban too, row by row
             sampled = self._sample_rows(logits, batch, penalized, min_tokens_rows)
         else:
@@ -125,9 +125,11 @@ class Sampler:
         token_lp, rank, top_ids, top_lp = self.logprobs(raw, sampled, min(max(num_logprobs), self.vocab_size))
         return SamplerOutput(sampled, token_lp, top_ids, top_lp, rank)
 
-    def _apply_bias(self, logits: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> torch.Tensor:
+    def _apply_bias(self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
         """``logits`` (float32, the sampler's own copy) with each of ``rows``' tokens outside its
-        allowed_token_ids at -inf and its logit_bias added, in place (one scatter for the batch)."""
+        allowed_token_ids or ending one of its bad words at -inf and its logit_bias added, in place
+        (one scatter for the batch each)."""
+        params = batch.params
         allowed = [i for i in rows if params[i].allowed_token_ids]
         if allowed:
             idx = torch.tensor(allowed)
@@ -137,6 +139,10 @@ class Sampler:
             keep = torch.zeros(len(allowed), logits.shape[1], dtype=torch.bool)
             keep[row, col] = True
             logits[idx] = logits[idx].masked_fill_(~keep, _NEG_INF)
+        banned = [(i, t) for i in rows if params[i].bad_words_token_ids
+                  for t in _bad_word_ends(params[i].bad_words_token_ids, batch.output_token_ids[i])]
+        if banned:
+            logits[tuple(torch.tensor(banned).T)] = _NEG_INF
         biased = [i for i in rows if params[i].logit_bias]
         if biased:
             row = torch.tensor([i for i in biased for _ in params[i].logit_bias])
@@ -312,7 +318,14 @@ def _flat(lists) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _has_bias(p: SamplingParams) -> bool:
-    return bool(p.logit_bias) or p.allowed_token_ids is not None
+    return bool(p.logit_bias) or p.allowed_token_ids is not None or bool(p.bad_words)
+
+
+def _bad_word_ends(sequences: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens that would complete one of ``sequences`` after ``output`` (vLLM's bad_words: a
+    sequence's last token is banned where the output ends with the rest of it; the prompt does not count)."""
+    n = len(output)
+    return [s[-1] for s in sequences if len(s) == 1 or (len(s) <= n + 1 and output[n - len(s) + 1:] == s[:-1])]
 
 
 def _has_penalties(p: SamplingParams) -> bool:

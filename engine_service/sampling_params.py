@@ -127,14 +127,21 @@ class SamplingParams:
     # Keep only the prompt's last k tokens (left truncation, vLLM's); -1: as many as max_model_len
     # leaves room for (max_model_len - 1).
     truncate_prompt_tokens: int | None = None
+    # Words the output may not contain (vLLM's bad_words): each word's tokens, as it stands and after
+    # a space, may not be generated in a row; a one-token word is never sampled.
+    bad_words: str | list[str] | None = None
     # Filled in by the engine from the model's generation config (EOS ids beyond the tokenizer's).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled in by the engine: bad_words' token sequences (LLMEngine.bad_words_token_ids).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if isinstance(self.structured_outputs, dict):
             unknown = set(self.structured_outputs) - {f.name for f in fields(StructuredOutputsParams)}
             if unknown:
@@ -205,6 +212,9 @@ class SamplingParams:
                 not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
                 or not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)):
             fail("truncate_prompt_tokens", "None, an integer >= 1, or -1 for up to max_model_len - 1")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            fail("bad_words", "a list of strings that are not empty or all whitespace")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", "a RequestOutputKind (CUMULATIVE 0, DELTA 1 or FINAL_ONLY 2)")
 

@@ -63,6 +63,8 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         kwargs["logit_bias"] = dict(p.logit_bias)
     if p.allowed_token_ids:
         kwargs["allowed_token_ids"] = list(p.allowed_token_ids)
+    if p.bad_words:
+        kwargs["bad_words"] = list(p.bad_words)
     return SamplingParams(
         top_k=p.top_k, min_p=p.min_p, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), include_stop_str_in_output=p.include_stop_str_in_output,

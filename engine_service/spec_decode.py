@@ -51,12 +51,13 @@ class NgramProposer:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         """Sequences whose next token is a plain argmax of the logits: greedy, one completion, no
-        logprobs, penalties, logit bias or grammar, and past min_tokens (whose masking depends on
+        logprobs, penalties, logit bias, bad words or grammar, and past min_tokens (whose masking depends on
         the position)."""
         p = seq.params
         return (p.greedy and p.n == 1 and p.logprobs is None and seq.grammar is None
                 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
-                and not p.logit_bias and p.allowed_token_ids is None and seq.num_output_tokens >= p.min_tokens)
+                and not p.logit_bias and p.allowed_token_ids is None and not p.bad_words
+                and seq.num_output_tokens >= p.min_tokens)
 
     def propose(self, seq: Sequence, max_len: int) -> list[int]:
         """At most ``min(k, max_len)`` draft tokens for ``seq`` (which has one token to compute)."""

@@ -31,13 +31,14 @@ class Limits:
     max_stop_chars: int = 256
     max_stop_token_ids: int = 64
     max_logit_bias: int = 300  # OpenAI's limit on logit_bias entries
+    max_bad_words: int = 64
     max_messages: int = 256
     affinity_prefix_tokens: int = 64
     """Prompts sharing their first this-many tokens (rounded down to whole KV blocks) share an affinity key."""
 
     def __post_init__(self):
         for name in ("max_priority", "max_n", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_logit_bias",
-                     "max_messages"):
+                     "max_bad_words", "max_messages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.affinity_prefix_tokens < 0:
@@ -120,6 +121,12 @@ def _check_sampling(p: common_pb2.SamplingParams, limits: Limits, model: ModelLi
     bad = [t for t in p.allowed_token_ids if t >= model.vocab_size]
     if bad:
         fail("allowed_token_ids", f"ids in the vocabulary [0, {model.vocab_size})", bad[0])
+    if len(p.bad_words) > limits.max_bad_words:
+        fail("bad_words", f"at most {limits.max_bad_words} words", f"{len(p.bad_words)} words")
+    for w in p.bad_words:
+        if not w.strip() or len(w) > limits.max_stop_chars:
+            fail("bad_words", f"words that are not all whitespace, of at most {limits.max_stop_chars} characters",
+                 w[:40])
 
 
 def validate(request: router_pb2.GenerateRequest, tokenizer: PromptTokenizer, model: ModelLimits,

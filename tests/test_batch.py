@@ -172,10 +172,12 @@ def test_logprob_fields_map_by_endpoint():
 def test_logit_bias_and_allowed_token_ids_map_to_sampling_params():
     row = parse_row(json.dumps({"custom_id": "a", "url": "/v1/chat/completions", "body": {
         "messages": [{"role": "user", "content": "x"}], "logit_bias": {"50256": -100, "7": 2.5},
-        "allowed_token_ids": [7, 8]}}), 1)
+        "allowed_token_ids": [7, 8], "bad_words": ["darn"]}}), 1)
     assert row.params.logit_bias == {50256: -100.0, 7: 2.5} and row.params.allowed_token_ids == [7, 8]
+    assert row.params.bad_words == ["darn"]
     proto = sampling_params_to_proto(row.params)
     assert dict(proto.logit_bias) == {50256: -100.0, 7: 2.5} and list(proto.allowed_token_ids) == [7, 8]
+    assert list(proto.bad_words) == ["darn"]
     assert not proto.HasField("truncate_prompt_tokens")
     row = parse_row('{"id": "t", "prompt": "x y z", "truncate_prompt_tokens": 2}', 2)
     assert row.params.truncate_prompt_tokens == 2
@@ -227,6 +229,8 @@ def test_logit_bias_and_allowed_token_ids_map_to_sampling_params():
      r"body\.logit_bias must be an object of token id to bias, got list"),
     ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "allowed_token_ids": []}}',
      r"allowed_token_ids must be a non-empty list"),
+    ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "bad_words": [""]}}',
+     r"bad_words must be a list of strings"),
     ('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "echo": true, "truncate_prompt_tokens": 4}}',
      r"body\.echo and body\.truncate_prompt_tokens cannot be used together"),
     ('{"id": "a", "prompt": "x", "truncate_prompt_tokens": 0}', r"truncate_prompt_tokens must be None, an integer >= 1"),

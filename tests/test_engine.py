@@ -276,11 +276,12 @@ def test_bad_requests_fail_alone(tiny_llama_dir, prompts, reference):
 
 
 def hf_greedy_transformed(model, prompt_ids: list[int], max_new: int, transform) -> list[int]:
-    """Greedy decoding with transformers, ``transform`` applied to each step's fp32 logits."""
+    """Greedy decoding with transformers, ``transform(logits, output so far)`` applied to each
+    step's fp32 logits."""
     ids = list(prompt_ids)
     with torch.no_grad():
         for _ in range(max_new):
-            logits = transform(model(torch.tensor([ids])).logits[0, -1].float())
+            logits = transform(model(torch.tensor([ids])).logits[0, -1].float(), ids[len(prompt_ids):])
             ids.append(int(logits.argmax()))
     return ids[len(prompt_ids):]
 
@@ -294,13 +295,13 @@ def test_logit_bias_and_allowed_token_ids_match_transformers(tiny_llama_dir, hf_
     bias = {reference[0][2]: -4.0, 1000: 6.0, 77: float("-inf")}
     allowed = sorted({*reference[1][:6], 5, 1000, 4321})
 
-    def with_bias(logits):
+    def with_bias(logits, _output):
         logits = logits.clone()
         for t, b in bias.items():
             logits[t] += b
         return logits
 
-    def only_allowed(logits):
+    def only_allowed(logits, _output):
         masked = torch.full_like(logits, float("-inf"))
         masked[allowed] = logits[allowed]
         return masked
@@ -341,6 +342,66 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_llama_dir, pr
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="SamplingParams.truncate_prompt_tokens must be"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def contains_run(tokens: list[int], run: list[int]) -> bool:
+    return any(tokens[i:i + len(run)] == run for i in range(len(tokens) - len(run) + 1))
+
+
+@pytest.mark.parametrize("speculative", [0, 4])
+def test_bad_words_match_transformers_with_the_words_banned(tiny_llama_dir, hf_tiny, prompts, reference, speculative):
+    """A greedy row with bad_words takes the argmax with each word's last token banned wherever its
+    output ends with the word's other tokens (a one-token word: always), step by step as
+    transformers does with that ban, and never generates a word's tokens in a row; a row without
+    them is unchanged, with and without speculative decoding."""
+    n = 12
+    llm = LLM(tiny_llama_dir, dtype="float32", num_speculative_tokens=speculative)
+    engine, tokenizer = llm.llm_engine, llm.get_tokenizer()
+
+    def word_in(output: list[int], length: int) -> tuple[str, list[int]]:
+        """A word whose token sequences (as the engine makes them) include a run of ``output``."""
+        for i in range(1, n - length):
+            run = output[i:i + length]
+            word = tokenizer.decode(run)
+            if word.strip() and run in engine.bad_words_token_ids([word]):
+                return word, run
+        raise AssertionError(f"no {length}-token run of {output} comes back from its text")
+
+    two, two_run = word_in(reference[0], 2)
+    one, one_run = word_in(reference[1], 1)
+    banned = {0: engine.bad_words_token_ids([two, "hello world"]), 1: engine.bad_words_token_ids([one])}
+
+    def ban(row):
+        def transform(logits, output):
+            logits = logits.clone()
+            for s in banned[row]:
+                if len(s) == 1 or output[len(output) - len(s) + 1:] == s[:-1] and len(output) >= len(s) - 1:
+                    logits[s[-1]] = float("-inf")
+            return logits
+        return transform
+
+    want = [hf_greedy_transformed(hf_tiny, prompts[row], n, ban(row)) for row in (0, 1)]
+    assert want[0] != reference[0][:n] and want[1] != reference[1][:n], "the ban must change the output"
+    outputs = llm.generate(
+        [{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": prompts[1]}, {"prompt_token_ids": prompts[2]}],
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, bad_words=[two, "hello world"]),
+         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, bad_words=one),
+         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)], use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outputs]
+    assert got[:2] == want and got[2] == reference[2][:n]
+    assert not any(contains_run(got[0], s) for s in banned[0]) and one_run[0] not in got[1]
+
+
+def test_bad_words_token_ids_take_each_word_as_it_stands_and_after_a_space(tiny_llama_dir):
+    engine = LLM(tiny_llama_dir, dtype="float32").llm_engine
+    tok = engine.tokenizer
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    assert engine.bad_words_token_ids(["Paris", "  big cat"]) == [enc("Paris"), enc(" Paris"), enc("big cat"),
+                                                                   enc(" big cat")]
+    assert enc("Paris") != enc(" Paris") and len(enc(" big cat")) == 2
+    assert engine.bad_words_token_ids(["Paris", " Paris"]) == [enc("Paris"), enc(" Paris")]  # each sequence once
+    with pytest.raises(ValueError, match=r"SamplingParams\.bad_words must be"):
+        engine.add_request("bw", [1, 2], SamplingParams(bad_words=["\n"]))
 
 
 def test_kv_budget_too_small_fails_at_startup(tiny_llama_dir):

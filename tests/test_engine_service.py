@@ -205,16 +205,18 @@ def test_64_concurrent_greedy_streams_equal_offline_generate(bundled_server, off
 
 
 @pytest.mark.slow
-def test_logit_bias_allowed_token_ids_and_truncation_over_grpc_as_offline(bundled_server, offline):
-    """logit_bias and allowed_token_ids in common.proto's SamplingParams reach the engine's sampler:
-    the same tokens as LLM.generate with the same parameters, and not the unbiased ones;
+def test_logit_bias_allowed_token_ids_bad_words_and_truncation_over_grpc_as_offline(bundled_server, offline):
+    """logit_bias, allowed_token_ids and bad_words in common.proto's SamplingParams reach the
+    engine's sampler: the same tokens as LLM.generate with the same parameters, and not the
+    unbiased ones;
     truncate_prompt_tokens runs an over-long prompt on its last tokens."""
     prompt = PROMPTS[0]
     plain = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                              use_tqdm=False)[0].outputs[0].token_ids
     bias = {plain[0]: -100.0, plain[1]: -100.0}
     allowed = [plain[2], 28, 30, 1000]
-    cases = [dict(logit_bias=bias), dict(allowed_token_ids=allowed)]
+    word = offline.get_tokenizer().decode(plain[:2])  # the plain output's first two tokens, as a bad word
+    cases = [dict(logit_bias=bias), dict(allowed_token_ids=allowed), dict(bad_words=[word])]
     expected = [offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, **c),
                                  use_tqdm=False)[0].outputs[0].token_ids for c in cases]
     # truncate_prompt_tokens rides in the same SamplingParams: a prompt past max_model_len runs on its tail.
@@ -233,10 +235,11 @@ def test_logit_bias_allowed_token_ids_and_truncation_over_grpc_as_offline(bundle
                                        temperature=0.0, max_tokens=6, ignore_eos=True, **c))
                 for i, c in enumerate(cases)))
 
-    biased, only, truncated = asyncio.run(main())
-    assert truncated.token_ids == expected[2] and truncated.final.usage.prompt_tokens == len(tail)
+    biased, only, no_word, truncated = asyncio.run(main())
+    assert truncated.token_ids == expected[3] and truncated.final.usage.prompt_tokens == len(tail)
     assert biased.token_ids == expected[0] and not {plain[0], plain[1]} & set(biased.token_ids)
     assert only.token_ids == expected[1] and set(only.token_ids) <= set(allowed) and only.token_ids != plain
+    assert no_word.token_ids == expected[2] and no_word.token_ids[:2] != plain[:2]
 
 
 @pytest.mark.slow
@@ -407,6 +410,7 @@ def test_bad_input_and_overload_are_refused_while_others_stream(tiny_llama_dir):
         "logit_bias value": (request("b17", "x", logit_bias={5: float("nan")}), CODES.INVALID_ARGUMENT, "logit_bias"),
         "allowed_token_ids": (request("b18", "x", allowed_token_ids=[49152]), CODES.INVALID_ARGUMENT,
                               "allowed_token_ids"),
+        "bad_words": (request("b19", "x", bad_words=["ok", "  "]), CODES.INVALID_ARGUMENT, "bad_words"),
         "duplicate": (request("long-0", "x"), CODES.ALREADY_EXISTS, "request_id"),
         "overload": (request("over", "x"), CODES.RESOURCE_EXHAUSTED, "max_waiting_requests"),
     }

@@ -60,7 +60,8 @@ def test_good_values_pass_both(tokenizer):
 
     good = dict(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=1.0, frequency_penalty=-1.0,
                 repetition_penalty=1.1, max_tokens=8, min_tokens=2, n=2, seed=7, logprobs=5, stop=["\n"],
-                stop_token_ids=[2], logit_bias={2: 1.5, 9: -100.0}, allowed_token_ids=[2, 3, 9])
+                stop_token_ids=[2], logit_bias={2: 1.5, 9: -100.0}, allowed_token_ids=[2, 3, 9],
+                bad_words=["darn", " heck it"])
     SamplingParams(**good)
     valid = validate(router_pb2.GenerateRequest(prompt="hi", priority=3, sampling=common_pb2.SamplingParams(**good)),
                      tokenizer, MODEL, Limits(), "rid")
@@ -69,6 +70,7 @@ def test_good_values_pass_both(tokenizer):
     assert valid.engine_request.sampling_params.max_tokens == 8 and valid.engine_request.priority == 3
     sent = valid.engine_request.sampling_params
     assert dict(sent.logit_bias) == {2: 1.5, 9: -100.0} and list(sent.allowed_token_ids) == [2, 3, 9]
+    assert list(sent.bad_words) == ["darn", " heck it"]
 
 
 @pytest.mark.parametrize("sampling, message", [
@@ -77,6 +79,9 @@ def test_good_values_pass_both(tokenizer):
     ({"logit_bias": {3: float("inf")}}, r"sampling\.logit_bias must be biases"),
     ({"logit_bias": {t: 1.0 for t in range(301)}}, r"sampling\.logit_bias must be at most 300 entries, got '301 entries'"),
     ({"allowed_token_ids": [4, 60000]}, r"sampling\.allowed_token_ids must be ids in the vocabulary"),
+    ({"bad_words": ["a"] * 65}, r"sampling\.bad_words must be at most 64 words, got '65 words'"),
+    ({"bad_words": ["a", " \t"]}, r"sampling\.bad_words must be words that are not all whitespace, of at most 256"),
+    ({"bad_words": ["x" * 257]}, r"sampling\.bad_words must be words .* got 'xxxx"),
 ])
 def test_bias_fields_are_checked(tokenizer, sampling, message):
     with pytest.raises(ValueError, match=message):

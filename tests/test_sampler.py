@@ -438,6 +438,43 @@ def test_bias_leaves_logprobs_raw_and_the_input_untouched():
     assert torch.equal(out.topk_token_ids, raw.topk(2, dim=-1).indices)
 
 
+def bad_words_params(sequences: list[list[int]], **kwargs) -> SamplingParams:
+    """SamplingParams whose bad words are these token sequences (the engine fills them from the words)."""
+    params = SamplingParams(bad_words=["(filled below)"], **kwargs)
+    params.bad_words_token_ids = sequences
+    return params
+
+
+def test_bad_words_ban_a_sequences_last_token_only_where_the_output_ends_with_the_rest():
+    vocab = 40
+    logits = torch.randn(7, vocab)
+    top = [int(r.argmax()) for r in logits]
+    second = [int(r.topk(2).indices[1]) for r in logits]
+    params = [bad_words_params([[top[0]]], temperature=0.0),                     # one token: always banned
+              bad_words_params([[5, 9, top[1]]], temperature=0.0),               # output ends 5, 9: banned
+              bad_words_params([[5, 9, top[2]]], temperature=0.0),               # ends 9, 5: allowed
+              bad_words_params([[5, 9, top[3]]], temperature=0.0),               # output too short: allowed
+              bad_words_params([[9, top[4]], [8, 1], [top[4], 2]], temperature=0.0),  # the first applies
+              SamplingParams(temperature=0.0),                                   # no bad words
+              bad_words_params([[top[6]]], temperature=0.0, logit_bias={top[6]: 100.0})]  # -inf + 100 stays out
+    outputs = [[], [3, 5, 9], [3, 9, 5], [9], [1, 9], [9], []]
+    out = new_sampler(vocab, {EOS})(logits, make_batch(params, outputs=outputs))
+    got = out.sampled_token_ids.tolist()
+    assert got == [second[0], second[1], top[2], top[3], second[4], top[5], second[6]]
+
+
+def test_bad_words_hold_for_random_rows_and_leave_logprobs_raw():
+    vocab = 20
+    logits = torch.zeros(vocab)
+    logits[[3, 4]] = 4.0  # with 3 banned after 7, a draw is almost always 4
+    params = bad_words_params([[7, 3], [11]], temperature=1.0, seed=5, logprobs=1)
+    batch = make_batch([params] * 300, outputs=[[7]] * 300)
+    out = new_sampler(vocab, {EOS})(logits.expand(300, -1).contiguous(), batch)
+    drawn = set(out.sampled_token_ids.tolist())
+    assert 4 in drawn and not drawn & {3, 11}
+    assert torch.allclose(out.topk_logprobs[:, 0], logits.log_softmax(-1)[3].expand(300))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"logit_bias": {"3": 1.0}}, r"SamplingParams\.logit_bias must be a dict of token id"),
     ({"logit_bias": {3: float("nan")}}, r"logit_bias must be"),
@@ -445,6 +482,9 @@ def test_bias_leaves_logprobs_raw_and_the_input_untouched():
     ({"logit_bias": [3]}, r"logit_bias must be"),
     ({"allowed_token_ids": []}, r"SamplingParams\.allowed_token_ids must be a non-empty list"),
     ({"allowed_token_ids": [1, -2]}, r"allowed_token_ids must be"),
+    ({"bad_words": ["ok", " "]}, r"SamplingParams\.bad_words must be a list of strings that are not empty or all"),
+    ({"bad_words": [3]}, r"bad_words must be"),
+    ({"bad_words": {"a": 1}}, r"bad_words must be"),
 ])
 def test_bad_bias_params_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

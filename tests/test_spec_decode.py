@@ -133,7 +133,7 @@ def test_ineligible_requests_get_no_draft():
     seq = Sequence(Request("r", None, [1, 2, 1], SamplingParams(temperature=0.7)), 0, [1, 2, 1], None)
     assert not NgramProposer.eligible(seq)
     for params in (dict(logprobs=2), dict(repetition_penalty=1.2), dict(min_tokens=5), dict(n=2),
-                   dict(logit_bias={3: 1.0}), dict(allowed_token_ids=[1, 2])):
+                   dict(logit_bias={3: 1.0}), dict(allowed_token_ids=[1, 2]), dict(bad_words=["no"])):
         p = SamplingParams(temperature=0.0, **params)
         seq = Sequence(Request("r", None, [1, 2, 1], p), 0, [1, 2, 1], None)
         assert not NgramProposer.eligible(seq), params

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pagoda/v1/common.proto\x12\tpagoda.v1\"\xc4\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x17\n\nmax_tokens\x18\x0e \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x06\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x07\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1c.pagoda.v1.StructuredOutputs\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x14 \x03(\x0b\x32(.pagoda.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\r\x12#\n\x16truncate_prompt_tokens\x18\x16 \x01(\x05H\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokens\"\xac\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x12.pagoda.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\\\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x11\n\x04rank\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05token\x18\x04 \x01(\tB\x07\n\x05_rank\"b\n\x10PositionLogprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\"\xd7\x01\n\nTokenChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagoda.v1.PositionLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.pagoda.v1.FinishReason\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x42\r\n\x0bstop_reason\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\">\n\x07Timings\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"\x96\x02\n\nEngineLoad\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x04 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x05 \x01(\r\x12!\n\x19num_waiting_prompt_tokens\x18\x06 \x01(\x04\x12\x1b\n\x13output_tokens_per_s\x18\x07 \x01(\x01\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\t \x01(\r\x12\x11\n\taccepting\x18\n \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pagoda/v1/common.proto\x12\tpagoda.v1\"\xd7\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x17\n\nmax_tokens\x18\x0e \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x06\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x07\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1c.pagoda.v1.StructuredOutputs\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x14 \x03(\x0b\x32(.pagoda.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\r\x12#\n\x16truncate_prompt_tokens\x18\x16 \x01(\x05H\t\x88\x01\x01\x12\x11\n\tbad_words\x18\x17 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokens\"\xac\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x12.pagoda.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\\\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x11\n\x04rank\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05token\x18\x04 \x01(\tB\x07\n\x05_rank\"b\n\x10PositionLogprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\"\xd7\x01\n\nTokenChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagoda.v1.PositionLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.pagoda.v1.FinishReason\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x42\r\n\x0bstop_reason\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\">\n\x07Timings\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"\x96\x02\n\nEngineLoad\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x04 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x05 \x01(\r\x12!\n\x19num_waiting_prompt_tokens\x18\x06 \x01(\x04\x12\x1b\n\x13output_tokens_per_s\x18\x07 \x01(\x01\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\t \x01(\r\x12\x11\n\taccepting\x18\n \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1925
-  _globals['_FINISHREASON']._serialized_end=2045
+  _globals['_FINISHREASON']._serialized_start=1944
+  _globals['_FINISHREASON']._serialized_end=2064
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=874
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=663
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=711
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=877
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1049
-  _globals['_CHOICES']._serialized_start=1051
-  _globals['_CHOICES']._serialized_end=1077
-  _globals['_TOKENLOGPROB']._serialized_start=1079
-  _globals['_TOKENLOGPROB']._serialized_end=1171
-  _globals['_POSITIONLOGPROBS']._serialized_start=1173
-  _globals['_POSITIONLOGPROBS']._serialized_end=1271
-  _globals['_TOKENCHUNK']._serialized_start=1274
-  _globals['_TOKENCHUNK']._serialized_end=1489
-  _globals['_USAGE']._serialized_start=1491
-  _globals['_USAGE']._serialized_end=1578
-  _globals['_TIMINGS']._serialized_start=1580
-  _globals['_TIMINGS']._serialized_end=1642
-  _globals['_ENGINELOAD']._serialized_start=1645
-  _globals['_ENGINELOAD']._serialized_end=1923
+  _globals['_SAMPLINGPARAMS']._serialized_end=893
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=682
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=730
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=896
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1068
+  _globals['_CHOICES']._serialized_start=1070
+  _globals['_CHOICES']._serialized_end=1096
+  _globals['_TOKENLOGPROB']._serialized_start=1098
+  _globals['_TOKENLOGPROB']._serialized_end=1190
+  _globals['_POSITIONLOGPROBS']._serialized_start=1192
+  _globals['_POSITIONLOGPROBS']._serialized_end=1290
+  _globals['_TOKENCHUNK']._serialized_start=1293
+  _globals['_TOKENCHUNK']._serialized_end=1508
+  _globals['_USAGE']._serialized_start=1510
+  _globals['_USAGE']._serialized_end=1597
+  _globals['_TIMINGS']._serialized_start=1599
+  _globals['_TIMINGS']._serialized_end=1661
+  _globals['_ENGINELOAD']._serialized_start=1664
+  _globals['_ENGINELOAD']._serialized_end=1942
 # @@protoc_insertion_point(module_scope)
