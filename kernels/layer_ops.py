@@ -120,6 +120,7 @@ class CpuLayerOps(TorchLayerOps):
         self._gemm_linear = torch.ops.pagoda_cpu.gemm_linear.default
         self._gemm_linear_silu_mul = torch.ops.pagoda_cpu.gemm_linear_silu_mul.default
         self._gemm_linear_argmax = torch.ops.pagoda_cpu.gemm_linear_argmax.default
+        self._gemm_linear_logprobs = torch.ops.pagoda_cpu.gemm_linear_logprobs.default
         self._gemm_linear_rotary_to_cache = torch.ops.pagoda_cpu.gemm_linear_rotary_to_cache.default
         self._decoder_layers = torch.ops.pagoda_cpu.decoder_layers.default
         self.runs_decoder_layers = True
@@ -227,6 +228,16 @@ class CpuLayerOps(TorchLayerOps):
         out = torch.empty(x.shape[0], dtype=torch.long)
         self._gemm_linear_argmax(x, packed, valid, out)
         return out
+
+    def gemm_linear_logprobs(self, x: torch.Tensor, packed: torch.Tensor, valid: int, tokens: torch.Tensor, k: int):
+        """logprobs(gemm_linear(x, packed)[:, :valid], tokens, k) without writing the logits (prompt
+        logprobs from the LM head): the same ids, ranks and top-k order, the logprobs up to the
+        exp-sum's float summation order."""
+        n = x.shape[0]
+        token_lp, top_lp = torch.empty(n), torch.empty((n, k))
+        rank, top_ids = torch.empty(n, dtype=torch.long), torch.empty((n, k), dtype=torch.long)
+        self._gemm_linear_logprobs(x, packed, valid, tokens.contiguous(), token_lp, rank, top_ids, top_lp)
+        return token_lp, rank, top_ids, top_lp
 
     def gemm_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """silu_and_mul(x @ gate_up.T) in one pass; ``packed``: the gate/up weight with its 64-row

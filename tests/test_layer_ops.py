@@ -658,6 +658,53 @@ def test_gemm_linear_argmax_is_the_argmax_of_gemm_linear(ops, dtype, w_dtype, fl
             cpu.gemm_linear_argmax(x, packed, bad)
 
 
+@pytest.mark.parametrize("dtype,w_dtype,float32_kernel", [
+    *(pytest.param(*form.values, False, id=form.id) for form in GEMM_FORMS),
+    pytest.param(torch.bfloat16, torch.bfloat16, True, id="bf16-on-the-float32-kernel")])
+def test_gemm_linear_logprobs_are_the_logprobs_of_gemm_linear(ops, dtype, w_dtype, float32_kernel):
+    """Prompt scoring inside the LM head's GEMM: each row's token's logprob and rank and its top k
+    as ``logprobs`` gives them on gemm_linear's output (ids and ranks exactly, ties by lower id
+    across blocks and threads; logprobs up to the exp-sum's order), columns past ``valid``
+    ignored, at any row count and the same bits whatever the row count; NaN rows NaN."""
+    cpu = _gemm_ops(ops, torch.float32 if float32_kernel else w_dtype)
+    g = torch.Generator().manual_seed(12)
+    n, hidden = 1024, 576
+    w = (0.05 * torch.randn(n, hidden, generator=g)).to(w_dtype)
+    w[700] = w[3]  # the same logit at columns 3 and 700 (different blocks)
+    w[5] = w[4]  # and at 4 and 5 (one block)
+    x = (3 * torch.randn(300, hidden, generator=g)).to(dtype)
+    x[10] = w[3].to(dtype) * 50  # row 10's maximum at 3 and 700
+    x[11] = w[4].to(dtype) * 50  # row 11's at 4 and 5
+    packed = cpu.gemm_pack(w, float32_kernel=float32_kernel)
+    logits = cpu.gemm_linear(x, packed)
+    tokens = torch.randint(0, 650, (300,), generator=g)
+    tokens[10], tokens[11] = 700, 5  # tied with the maximum: rank 2 (one logit, 3 / 4, is equal, not above)
+    for valid, k in ((n, 20), (1000, 3), (650, 1), (650, 0), (64, 2)):
+        t = tokens.clamp(max=valid - 1)
+        lp, rank, ids, top = cpu.logprobs(logits[:, :valid].contiguous(), t, k)
+        every = None
+        for rows in (300, 257, 40, 7, 1):
+            got = cpu.gemm_linear_logprobs(x[-rows:].contiguous(), packed, valid, t[-rows:], k)
+            assert torch.equal(got[1], rank[-rows:]) and torch.equal(got[2], ids[-rows:]), (valid, k, rows)
+            torch.testing.assert_close(got[0], lp[-rows:], rtol=0, atol=2e-5)
+            torch.testing.assert_close(got[3], top[-rows:], rtol=0, atol=2e-5)
+            every = got if every is None else every
+            assert all(torch.equal(a[-rows:], b) for a, b in zip(every, got)), "depends on the row count"
+        if valid == n:
+            assert ids[10, :2].tolist() == [3, 700] and ids[11, :2].tolist() == [4, 5]
+            assert rank[10] == 1 and rank[11] == 1  # no logit above the token's: rank 1 (vLLM's)
+    nan_w = w.clone()
+    nan_w[600] = float("nan")
+    lp, rank, ids, top = cpu.gemm_linear_logprobs(x[:5].contiguous(), cpu.gemm_pack(nan_w, float32_kernel=float32_kernel),
+                                                  n, tokens[:5], 2)
+    assert lp.isnan().all() and top.isnan().all() and 600 not in ids
+    for bad in (0, n + 1):
+        with pytest.raises(RuntimeError, match="valid must be in"):
+            cpu.gemm_linear_logprobs(x, packed, bad, tokens, 1)
+    with pytest.raises(RuntimeError, match=r"tokens\[0\] is 64, outside \[0, 64\)"):
+        cpu.gemm_linear_logprobs(x[:1].contiguous(), packed, 64, torch.tensor([64]), 1)
+
+
 def test_bf16_weights_on_the_float32_kernel_give_what_their_float32_copies_give(ops):
     """A bf16 model on a CPU without bf16 dot products keeps its bf16 weights, packed for the
     float32 kernel (``gemm_pack(w, float32_kernel=True)``), which widens each block as it goes:

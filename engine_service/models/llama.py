@@ -420,6 +420,19 @@ class LlamaForCausalLM(nn.Module):
             return None
         return head.gemm_ops.gemm_linear_argmax(hidden, head.gemm_weight, vocab_size)
 
+    def logprobs_from_hidden(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int, vocab_size: int):
+        """The sampler's ``logprobs(compute_logits(hidden)[:, :vocab_size], tokens, k)`` straight from
+        the LM head's GEMM where it runs on ours (``gemm_linear_logprobs``: the logits are never
+        written); None where it does not."""
+        if self.tie_word_embeddings:
+            if self.tied_lm_head_gemm is None:
+                return None
+            return self.gemm_ops.gemm_linear_logprobs(hidden, self.tied_lm_head_gemm, vocab_size, tokens, k)
+        head = self.lm_head
+        if not (head.takes_gemm(hidden.shape[0]) and hidden.dtype in (head.gemm_weight.dtype, torch.bfloat16)):
+            return None
+        return head.gemm_ops.gemm_linear_logprobs(hidden, head.gemm_weight, vocab_size, tokens, k)
+
     def pack_gemm_weights(self, ops, float32_kernel: bool = False) -> None:
         """Pack the decoder layers' weights for Pagoda's own GEMMs (``Linear.pack_gemm``,
         ``LlamaMLP.pack_gemm``: gate/up only there, every layer only there where ``gemm_max_rows``

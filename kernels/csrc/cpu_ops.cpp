@@ -32,6 +32,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -1694,11 +1695,12 @@ inline void round_block_row(const float* c, bf16_t* dst) {
 #endif
 }
 
-// Runs x [M, K] against `groups` groups of `group` consecutive column blocks of the packed weight
-// (run_gemm_blocks); epilogue(row0, rows, g, c) gets the fp32 products of rows row0.. with group g,
-// c[b][r][64].
-template <typename Epilogue>
-void run_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group, Epilogue&& epilogue) {
+// Calls body(m, k, groups, multiply, finish) with run_gemm's kernel for x [M, K] and `groups`
+// groups of `group` consecutive column blocks of the packed weight: multiply(r, len, g, c) writes the
+// fp32 products of rows r .. r + len with group g to c[b][len][64] (a row's products do not depend
+// on len); finish() ends a thread's share of the calls (AMX: releases the tiles).
+template <typename Body>
+void with_gemm_kernel(const at::Tensor& x_in, const at::Tensor& packed, int64_t group, Body&& body) {
   // The float32 kernel with bf16 x (a bf16 model on a CPU without bf16 dot products): x widened
   // once, exactly.
   const bool f32 = f32_kernel(packed);
@@ -1709,13 +1711,13 @@ void run_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group, E
 #if PAGODA_GEMM_F32
     const float* a = x.data_ptr<float>();
     const auto multiply = [&](const auto* b) {
-      run_gemm_blocks(
-          m, groups, group, k,
+      body(
+          m, k, groups,
           [&](int64_t r, int64_t len, int64_t g, float* c) {
             for (int64_t j = 0; j < group; ++j)
               f32_gemm(len, k, a + r * lda, lda, b + (g * group + j) * block, c + j * cblock);
           },
-          epilogue, [] {});
+          [] {});
     };
     // bf16 weights are widened in registers as the kernel loads them: bitwise what float32
     // copies of them give, from half the weight bytes.
@@ -1730,8 +1732,8 @@ void run_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group, E
   const auto* a = static_cast<const at::BFloat16*>(x.data_ptr());
   const auto* b = static_cast<const at::BFloat16*>(packed.data_ptr());
   const bool tiles = gemm_uses_amx();
-  run_gemm_blocks(
-      m, groups, group, k,
+  body(
+      m, k, groups,
       [&](int64_t r, int64_t len, int64_t g, float* c) {
         for (int64_t j = 0; j < group; ++j) {
           if (tiles)
@@ -1741,10 +1743,20 @@ void run_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group, E
             dp_gemm(len, k, a + r * lda, lda, b + (g * group + j) * block, c + j * cblock);
         }
       },
-      epilogue, [&] {
+      [&] {
         if (tiles) at::native::cpublas::brgemm_release(true);
       });
 #endif
+}
+
+// Runs x [M, K] against `groups` groups of `group` consecutive column blocks of the packed weight
+// (run_gemm_blocks); epilogue(row0, rows, g, c) gets the fp32 products of rows row0.. with group g,
+// c[b][r][64].
+template <typename Epilogue>
+void run_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group, Epilogue&& epilogue) {
+  with_gemm_kernel(x_in, packed, group, [&](int64_t m, int64_t k, int64_t groups, auto&& multiply, auto&& finish) {
+    run_gemm_blocks(m, groups, group, k, multiply, epilogue, finish);
+  });
 }
 
 // x [M, K] with contiguous rows and a weight packed for it: bf16 weights take bf16 x; float32
@@ -1865,6 +1877,249 @@ void gemm_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t v
       }
     }
     o[r] = bi;
+  }
+}
+
+// A block row of the products as gemm_linear stores it, in the model dtype: bf16 rounded into row
+// (a bf16 model) or the fp32 sums themselves (a float32 model); body gets a pointer to the values.
+template <typename Body>
+inline void with_stored_block_row(const float* c, bool f32, bool round_f32_kernel, Body&& body) {
+  if (f32) {
+    body(c);
+    return;
+  }
+  bf16_t row[kGemmBlockN];
+  if (round_f32_kernel) {
+    round_block_row(c, row);
+  } else {
+#if PAGODA_GEMM_BF16
+    gemm_round_block_row(c, row);
+#endif
+  }
+  body(static_cast<const bf16_t*>(row));
+}
+
+#if PAGODA_EW_AVX512
+inline __mmask16 lane_mask16(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+// e^x for x <= 0 (-inf gives 0; relative error ~1e-7), inline: 2^(x log2 e) as 2^n 2^f with f in
+// [-0.5, 0.5] and 2^f by its Taylor series to degree 7 (Horner).
+inline __m512 exp_neg_ps(__m512 x) {
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)), _mm512_set1_ps(-150.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// Whether (v, id) goes before (kv, kid) in a top-k list: larger first, equal values by lower id.
+inline bool top_before(float v, int64_t id, float kv, int64_t kid) { return v > kv || (v == kv && id < kid); }
+
+// Puts (v, id) into the k-long list vals / ids (ordered by top_before) if it goes before the last.
+inline void top_insert(float v, int64_t id, int64_t k, float* vals, int64_t* ids) {
+  if (!top_before(v, id, vals[k - 1], ids[k - 1])) return;
+  int64_t p = k - 1;
+  while (p > 0 && top_before(v, id, vals[p - 1], ids[p - 1])) {
+    vals[p] = vals[p - 1];
+    ids[p] = ids[p - 1];
+    --p;
+  }
+  vals[p] = v;
+  ids[p] = id;
+}
+
+// logprobs_rows(gemm_linear(x, packed)[:, :valid], tokens, k) without writing the logits: the
+// scoring of prompt tokens (prompt_logprobs) straight from the LM head. The logits are the values
+// gemm_linear stores (rounded to the model dtype); ids, ranks and the top k's values are the same
+// as logprobs_rows gives on them, the logprobs the same up to the float summation order of the
+// exp-sum (per 64-column block here, the blocks then added in column order: the result does not
+// depend on the threads). Three phases:
+//   1. each row's own token's logit, from a one-row product with its token's column block (a
+//      row's products do not depend on how many rows share the call);
+//   2. the GEMM, whose epilogue keeps per (row, block) the block's maximum, its exp-sum and how
+//      many of its logits are above the token's, and per (thread, row) a running top k;
+//   3. per row: the blocks merged in column order, the threads' top k merged.
+void gemm_linear_logprobs(const at::Tensor& x, const at::Tensor& packed, int64_t valid, const at::Tensor& tokens,
+                          at::Tensor& token_lp, at::Tensor& token_rank, at::Tensor& topk_ids, at::Tensor& topk_lp) {
+  check_gemm(x, packed, "gemm_linear_logprobs");
+  const int64_t m = x.size(0), groups = packed.size(0), k = topk_ids.dim() == 2 ? topk_ids.size(1) : -1;
+  TORCH_CHECK(valid > 0 && valid <= groups * kGemmBlockN, "gemm_linear_logprobs: valid must be in [1, ",
+              groups * kGemmBlockN, "], got ", valid);
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == m && tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
+              "gemm_linear_logprobs: tokens must be a contiguous int64 [", m, "]");
+  TORCH_CHECK(token_lp.dim() == 1 && token_lp.size(0) == m && token_lp.scalar_type() == at::kFloat &&
+                  token_lp.is_contiguous() && token_rank.dim() == 1 && token_rank.size(0) == m &&
+                  token_rank.scalar_type() == at::kLong && token_rank.is_contiguous(),
+              "gemm_linear_logprobs: token_lp / token_rank must be contiguous float32 / int64 [", m, "]");
+  TORCH_CHECK(k >= 0 && k <= valid && topk_ids.size(0) == m && topk_ids.scalar_type() == at::kLong &&
+                  topk_ids.is_contiguous() && topk_lp.dim() == 2 && topk_lp.size(0) == m && topk_lp.size(1) == k &&
+                  topk_lp.scalar_type() == at::kFloat && topk_lp.is_contiguous(),
+              "gemm_linear_logprobs: topk_ids / topk_lp must be contiguous int64 / float32 [", m, ", K] with K <= ",
+              valid);
+  const int64_t* t = tokens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < m; ++r)
+    TORCH_CHECK(t[r] >= 0 && t[r] < valid, "gemm_linear_logprobs: tokens[", r, "] is ", t[r], ", outside [0, ", valid,
+                ")");
+  if (m == 0) return;
+  const bool f32 = !bf16_model(x, packed), round_f32_kernel = !f32 && f32_kernel(packed);
+  const int64_t used = (valid + kGemmBlockN - 1) / kGemmBlockN;  // blocks with a valid column
+
+  // 1. Each row's token's logit; rows taken in the order of their token's block, so rows sharing
+  // a block find its weights in cache.
+  std::vector<float> xt(m);
+  std::vector<int64_t> order(m);
+  for (int64_t r = 0; r < m; ++r) order[r] = r;
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return t[a] / kGemmBlockN < t[b] / kGemmBlockN; });
+  with_gemm_kernel(x, packed, 1, [&](int64_t, int64_t, int64_t, auto&& multiply, auto&& finish) {
+#pragma omp parallel num_threads(threads_for(m * x.size(1) * kGemmBlockN))
+    {
+      std::vector<float> c(kGemmBlockM * kGemmBlockN);
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t r = order[i], g = t[r] / kGemmBlockN;
+        multiply(r, 1, g, c.data());
+        with_stored_block_row(c.data(), f32, round_f32_kernel,
+                              [&](const auto* row) { xt[r] = load(row[t[r] - g * kGemmBlockN]); });
+      }
+      finish();
+    }
+  });
+
+  // 2. The GEMM: per (row, block) its maximum (NaN where it holds one), exp-sum and count above
+  // the token's logit; per (thread, row) the top k (NaN counted as -inf, as logprobs_rows ranks it).
+  std::vector<float> bmax(m * used), bsum(m * used);
+  std::vector<uint8_t> above(m * used);
+  const int nt = omp_get_max_threads();
+  const int64_t kk = std::max<int64_t>(k, 1);
+  std::vector<float> tvals(static_cast<size_t>(nt) * m * kk, -INFINITY);
+  std::vector<int64_t> tids(static_cast<size_t>(nt) * m * kk, INT64_MAX);
+  run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
+    if (g >= used) return;
+    const int64_t cols = std::min(kGemmBlockN, valid - g * kGemmBlockN), base = g * kGemmBlockN;
+    const int th = omp_get_thread_num();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row_id = r0 + r, at = g * m + row_id;  // block-major: a claim's rows are adjacent
+      with_stored_block_row(c + r * kGemmBlockN, f32, round_f32_kernel, [&](const auto* row) {
+        float* vals = k ? tvals.data() + (static_cast<size_t>(th) * m + row_id) * k : nullptr;
+        int64_t* ids = k ? tids.data() + (static_cast<size_t>(th) * m + row_id) * k : nullptr;
+#if PAGODA_EW_AVX512
+        if (cols == kGemmBlockN) {  // a whole block in four vectors
+          __m512 v[4];
+          for (int j = 0; j < 4; ++j) v[j] = load16(row + 16 * j);
+          const __mmask16 nan = _mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) |
+                                _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q) |
+                                _mm512_cmp_ps_mask(v[2], v[2], _CMP_UNORD_Q) |
+                                _mm512_cmp_ps_mask(v[3], v[3], _CMP_UNORD_Q);
+          const float mx = nan ? NAN : _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(v[0], v[1]),
+                                                                           _mm512_max_ps(v[2], v[3])));
+          const __m512 vm = _mm512_set1_ps(mx), vt = _mm512_set1_ps(xt[row_id]);
+          float sum = 0.f;
+          int n_above = 0;
+          if (mx != -INFINITY) {
+            __m512 acc = exp_neg_ps(_mm512_sub_ps(v[0], vm));
+            for (int j = 1; j < 4; ++j) acc = _mm512_add_ps(acc, exp_neg_ps(_mm512_sub_ps(v[j], vm)));
+            sum = _mm512_reduce_add_ps(acc);
+          }
+          for (int j = 0; j < 4; ++j) n_above += __builtin_popcount(_mm512_cmp_ps_mask(v[j], vt, _CMP_GT_OQ));
+          bmax[at] = mx;
+          bsum[at] = sum;
+          above[at] = static_cast<uint8_t>(n_above);
+          if (k == 0) return;
+          for (int j = 0; j < 4; ++j) {
+            // only lanes at or above the list's last value can enter it (a NaN never does)
+            __mmask16 ge = _mm512_cmp_ps_mask(v[j], _mm512_set1_ps(vals[k - 1]), _CMP_GE_OQ);
+            for (; ge; ge &= ge - 1) {
+              const int l = __builtin_ctz(ge);
+              top_insert(load(row[16 * j + l]), base + 16 * j + l, k, vals, ids);
+            }
+          }
+          return;
+        }
+#endif
+        const float mx = load(row[argmax_row(row, cols)]);
+        int64_t n_above = 0;
+        double sum = 0.0;
+        if (mx != -INFINITY) sum = exp_sum_row(row, cols, mx, xt[row_id], n_above);
+        bmax[at] = mx;
+        bsum[at] = sum;
+        above[at] = static_cast<uint8_t>(n_above);
+        for (int64_t i = 0; i < cols && k > 0; ++i) {
+          const float v = load(row[i]);
+          top_insert(std::isnan(v) ? -INFINITY : v, base + i, k, vals, ids);
+        }
+      });
+    }
+  });
+
+  // 3. Per row: m = the maximum, lse = log of the exp-sum, as logprobs_rows; the top k of the
+  // threads' lists.
+  float* lp = token_lp.data_ptr<float>();
+  int64_t* rank = token_rank.data_ptr<int64_t>();
+  int64_t* out_ids = topk_ids.data_ptr<int64_t>();
+  float* out_lp = topk_lp.data_ptr<float>();
+  // The blocks' maxima, counts and exp-sums are block-major ([used][m]): each row's are merged in
+  // column order, rows side by side.
+  std::vector<float> row_max(m, -INFINITY), row_sum(m, 0.f);
+  std::vector<int64_t> row_above(m, 0);
+  std::vector<uint8_t> row_nan(m, 0);
+  constexpr int64_t kRowChunk = 64;
+#pragma omp parallel for schedule(static) num_threads(threads_for(m * used * 16))
+  for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
+    const int64_t r1 = std::min(m, r0 + kRowChunk);
+    float* mx = row_max.data();
+    for (int64_t g = 0; g < used; ++g)
+      for (int64_t r = r0; r < r1; ++r) {
+        const float b = bmax[g * m + r];
+        row_nan[r] |= b != b;
+        mx[r] = b > mx[r] ? b : mx[r];
+        row_above[r] += above[g * m + r];
+      }
+    float* sum = row_sum.data();
+    for (int64_t g = 0; g < used; ++g) {
+      const float* b = bmax.data() + g * m;
+      const float* bs = bsum.data() + g * m;
+#if PAGODA_EW_AVX512
+      for (int64_t r = r0; r < r1; r += 16) {  // every row the same arithmetic, tail lanes masked
+        const __mmask16 lanes = lane_mask16(std::min<int64_t>(16, r1 - r));
+        const __m512 e = exp_neg_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, b + r), _mm512_maskz_loadu_ps(lanes, mx + r)));
+        _mm512_mask_storeu_ps(sum + r, lanes, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, bs + r), e,
+                                                              _mm512_maskz_loadu_ps(lanes, sum + r)));
+      }
+#else
+      for (int64_t r = r0; r < r1; ++r) sum[r] += bs[r] * std::exp(b[r] - mx[r]);
+#endif
+    }
+  }
+#pragma omp parallel for schedule(static) num_threads(threads_for(m * nt * kk * 8))
+  for (int64_t r = 0; r < m; ++r) {
+    const bool nan = row_nan[r];
+    const float mx = row_max[r];
+    const float sum = row_sum[r];
+    const int64_t n_above = row_above[r];
+    const float lse = nan ? NAN : std::log(sum);
+    const float m_row = nan ? NAN : mx;
+    lp[r] = (xt[r] - m_row) - lse;
+    rank[r] = n_above + 1;
+    if (k == 0) continue;
+    float* vals = out_lp + r * k;
+    int64_t* ids = out_ids + r * k;
+    for (int64_t j = 0; j < k; ++j) {
+      vals[j] = -INFINITY;
+      ids[j] = INT64_MAX;
+    }
+    for (int th = 0; th < nt; ++th)
+      for (int64_t j = 0; j < k; ++j) {
+        const size_t at = (static_cast<size_t>(th) * m + r) * k + j;
+        top_insert(tvals[at], tids[at], k, vals, ids);
+      }
+    for (int64_t j = 0; j < k; ++j) vals[j] = (vals[j] - m_row) - lse;
   }
 }
 
@@ -2184,6 +2439,9 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.impl("gemm_linear", c10::DispatchKey::CPU, TORCH_FN(gemm_linear));
   m.def("gemm_linear_argmax(Tensor x, Tensor packed, int valid, Tensor(a!) out) -> ()");
   m.impl("gemm_linear_argmax", c10::DispatchKey::CPU, TORCH_FN(gemm_linear_argmax));
+  m.def("gemm_linear_logprobs(Tensor x, Tensor packed, int valid, Tensor tokens, Tensor(a!) token_lp, "
+        "Tensor(b!) token_rank, Tensor(c!) topk_ids, Tensor(d!) topk_lp) -> ()");
+  m.impl("gemm_linear_logprobs", c10::DispatchKey::CPU, TORCH_FN(gemm_linear_logprobs));
   m.def("gemm_linear_silu_mul(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
   m.impl("gemm_linear_silu_mul", c10::DispatchKey::CPU, TORCH_FN(gemm_linear_silu_mul));
   m.def("gemm_linear_rotary_to_cache(Tensor x, Tensor packed, Tensor positions, Tensor cos_table, Tensor sin_table, "
