@@ -1816,70 +1816,6 @@ void gemm_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out)
 #endif
 }
 
-// Greedy sampling straight from the LM head: out[r] = argmax (first maximum, a NaN the maximum:
-// argmax()'s rule) over the first `valid` columns of gemm_linear(x, packed)'s row r, without
-// writing the logits. The epilogue rounds each block row as gemm_linear stores it and keeps the
-// block's first maximum; the blocks' winners are then compared in column order, so the index is
-// the one argmax() finds on gemm_linear's output, bit for bit.
-void gemm_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t valid, at::Tensor& out) {
-  check_gemm(x, packed, "gemm_linear_argmax");
-  const int64_t m = x.size(0), groups = packed.size(0);
-  TORCH_CHECK(valid > 0 && valid <= groups * kGemmBlockN, "gemm_linear_argmax: valid must be in [1, ",
-              groups * kGemmBlockN, "], got ", valid);
-  TORCH_CHECK(out.dim() == 1 && out.size(0) == m && out.scalar_type() == at::kLong && out.is_contiguous(),
-              "gemm_linear_argmax: out must be a contiguous int64 [M]");
-  const int64_t used = (valid + kGemmBlockN - 1) / kGemmBlockN;  // blocks with a valid column
-  // Each (row, block)'s winner: its value, and its column in the block (-1: a NaN there, first NaN).
-  std::vector<float> best(m * used);
-  std::vector<int8_t> where(m * used);
-  const bool f32 = !bf16_model(x, packed), round_f32_kernel = !f32 && f32_kernel(packed);
-  run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
-    if (g >= used) return;
-    const int64_t cols = std::min(kGemmBlockN, valid - g * kGemmBlockN);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* cr = c + r * kGemmBlockN;
-      int64_t j;
-      float v;
-      if (f32) {
-        j = argmax_row(cr, cols);
-        v = cr[j];
-      } else {
-        bf16_t row[kGemmBlockN];
-        if (round_f32_kernel) {
-          round_block_row(cr, row);
-        } else {
-#if PAGODA_GEMM_BF16
-          gemm_round_block_row(cr, row);
-#endif
-        }
-        j = argmax_row(row, cols);
-        v = load(row[j]);
-      }
-      best[(r0 + r) * used + g] = v;
-      where[(r0 + r) * used + g] = std::isnan(v) ? static_cast<int8_t>(-1 - j) : static_cast<int8_t>(j);
-    }
-  });
-  int64_t* o = out.data_ptr<int64_t>();
-#pragma omp parallel for schedule(static) num_threads(threads_for(m * used))
-  for (int64_t r = 0; r < m; ++r) {
-    const float* b = best.data() + r * used;
-    const int8_t* w = where.data() + r * used;
-    int64_t bi = 0;
-    float bv = -INFINITY;
-    for (int64_t g = 0; g < used; ++g) {
-      if (w[g] < 0) {  // the first NaN of the row
-        bi = g * kGemmBlockN + (-1 - w[g]);
-        break;
-      }
-      if (b[g] > bv) {  // strict: the first block holding the maximum keeps it
-        bv = b[g];
-        bi = g * kGemmBlockN + w[g];
-      }
-    }
-    o[r] = bi;
-  }
-}
-
 // A block row of the products as gemm_linear stores it, in the model dtype: bf16 rounded into row
 // (a bf16 model) or the fp32 sums themselves (a float32 model); body gets a pointer to the values.
 template <typename Body>
@@ -1918,6 +1854,56 @@ inline __m512 exp_neg_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 #endif
+
+// Greedy sampling straight from the LM head: out[r] = argmax (first maximum, a NaN the maximum:
+// argmax()'s rule) over the first `valid` columns of gemm_linear(x, packed)'s row r, without
+// writing the logits. The epilogue rounds each block row as gemm_linear stores it and keeps the
+// block's first maximum; the blocks' winners are then compared in column order, so the index is
+// the one argmax() finds on gemm_linear's output, bit for bit.
+void gemm_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t valid, at::Tensor& out) {
+  check_gemm(x, packed, "gemm_linear_argmax");
+  const int64_t m = x.size(0), groups = packed.size(0);
+  TORCH_CHECK(valid > 0 && valid <= groups * kGemmBlockN, "gemm_linear_argmax: valid must be in [1, ",
+              groups * kGemmBlockN, "], got ", valid);
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == m && out.scalar_type() == at::kLong && out.is_contiguous(),
+              "gemm_linear_argmax: out must be a contiguous int64 [M]");
+  const int64_t used = (valid + kGemmBlockN - 1) / kGemmBlockN;  // blocks with a valid column
+  // Each (row, block)'s winner: its value, and its column in the block (-1: a NaN there, first NaN);
+  // block-major ([used][m]), so the rows of a claim write adjacent entries.
+  std::vector<float> best(m * used);
+  std::vector<int8_t> where(m * used);
+  const bool f32 = !bf16_model(x, packed), round_f32_kernel = !f32 && f32_kernel(packed);
+  run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t g, const float* c) {
+    if (g >= used) return;
+    const int64_t cols = std::min(kGemmBlockN, valid - g * kGemmBlockN);
+    for (int64_t r = 0; r < rows; ++r)
+      with_stored_block_row(c + r * kGemmBlockN, f32, round_f32_kernel, [&](const auto* row) {
+        const int64_t j = argmax_row(row, cols);
+        const float v = load(row[j]);
+        best[g * m + r0 + r] = v;
+        where[g * m + r0 + r] = std::isnan(v) ? static_cast<int8_t>(-1 - j) : static_cast<int8_t>(j);
+      });
+  });
+  int64_t* o = out.data_ptr<int64_t>();
+#pragma omp parallel for schedule(static) num_threads(threads_for(m * used))
+  for (int64_t r = 0; r < m; ++r) {
+    int64_t bi = 0;
+    float bv = -INFINITY;
+    for (int64_t g = 0; g < used; ++g) {
+      const float b = best[g * m + r];
+      const int8_t w = where[g * m + r];
+      if (w < 0) {  // the first NaN of the row
+        bi = g * kGemmBlockN + (-1 - w);
+        break;
+      }
+      if (b > bv) {  // strict: the first block holding the maximum keeps it
+        bv = b;
+        bi = g * kGemmBlockN + w;
+      }
+    }
+    o[r] = bi;
+  }
+}
 
 // Whether (v, id) goes before (kv, kid) in a top-k list: larger first, equal values by lower id.
 inline bool top_before(float v, int64_t id, float kv, int64_t kid) { return v > kv || (v == kv && id < kid); }
