@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kernels import BLOCK_SIZE, _cpu_prefill_inputs, load_cpu_baseline  # noqa: E402
+from kernel_bench import BLOCK_SIZE, _cpu_prefill_inputs, load_cpu_baseline  # noqa: E402
 from pagoda_kernels.cpu_attention import CpuAttention, load_extension  # noqa: E402
 
 H, KV, D = 9, 3, 64

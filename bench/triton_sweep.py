@@ -23,8 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernels import (BLOCK_SIZE, CUDA_DECODE_CASES, CUDA_PREFILL_CASES, _decode_inputs,  # noqa: E402
-                     _prefill_inputs)
+from kernel_bench import CUDA_DECODE_CASES, CUDA_PREFILL_CASES, _decode_inputs, _prefill_inputs  # noqa: E402
+
+BLOCK_SIZE = 16  # the engine's KV block size on CUDA
 
 
 def main() -> int:
@@ -58,7 +59,7 @@ def main() -> int:
     results = {"decode": [], "prefill": []}
     print("\n== decode: best configurations (bf16, block size 16)")
     for label, h, kvh, d, batch, ctx in CUDA_DECODE_CASES if "decode" in args.kernels else []:
-        q, kc, vc, meta = _decode_inputs(h, kvh, d, batch, ctx, dtype, dev)
+        q, kc, vc, meta = _decode_inputs(h, kvh, d, batch, ctx, dtype, dev, block_size=BLOCK_SIZE)
         bt, sl = meta.decode_block_tables.to(dev), meta.decode_seq_lens.to(dev)
         scale = 1 / math.sqrt(d)
         heur = decode_num_splits(batch, kvh, 1, ctx, num_sms)
@@ -98,7 +99,7 @@ def main() -> int:
 
     print("\n== prefill: best configurations (bf16)")
     for label, h, kvh, d, chunks in CUDA_PREFILL_CASES if "prefill" in args.kernels else []:
-        q, k, v, kc, vc, bt, cu, sl = _prefill_inputs(h, kvh, d, chunks, dtype, dev)
+        q, k, v, kc, vc, bt, cu, sl = _prefill_inputs(h, kvh, d, chunks, dtype, dev, block_size=BLOCK_SIZE)
         scale = 1 / math.sqrt(d)
         max_q = max(n for _, n in chunks)
         flops = sum(4 * h * d * (n * c + n * (n + 1) // 2) for c, n in chunks)
@@ -144,5 +145,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    assert BLOCK_SIZE == 16
     sys.exit(main())
