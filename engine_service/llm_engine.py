@@ -305,22 +305,15 @@ class LLMEngine:
         ranks = so.sampled_ranks.tolist() if so.sampled_ranks is not None else [None] * len(lps)
         top_ids = so.topk_token_ids.tolist() if so.topk_token_ids is not None else None
         top_lps = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
-        texts = self.token_texts
         rows = []
         for row, seq in enumerate(sampled):
             k = seq.params.logprobs
             if k is None:
                 rows.append(None)
                 continue
-            detokenize = seq.params.detokenize
-            entry = {}
-            if k and top_ids is not None:
-                for rank, (tid, lp) in enumerate(zip(top_ids[row][:k], top_lps[row][:k]), start=1):
-                    entry[tid] = Logprob(lp, rank, texts[tid] if detokenize else None)
-            token = token_ids[row]
-            if token not in entry:
-                entry[token] = Logprob(lps[row], ranks[row], texts[token] if detokenize else None)
-            rows.append((lps[row], entry))
+            top = (top_ids[row][:k], top_lps[row][:k]) if k and top_ids is not None else ((), ())
+            texts = self.token_texts if seq.params.detokenize else None
+            rows.append((lps[row], _logprob_entry(*top, token_ids[row], lps[row], ranks[row], texts)))
         return rows
 
     def _record_prompt_logprobs(self, scored: list[PromptLogprobs]) -> None:
@@ -334,11 +327,7 @@ class LLMEngine:
             texts = self.token_texts if pl.request.params.detokenize else None
             targets = pl.request.prompt_token_ids[pl.first:pl.first + len(pl.logprobs)]
             for target, lp, rank, ids, tops in zip(targets, pl.logprobs, pl.ranks, pl.top_ids, pl.top_logprobs):
-                entry = {tid: Logprob(top, r, texts[tid] if texts else None)
-                         for r, (tid, top) in enumerate(zip(ids[:k], tops[:k]), start=1)}
-                if target not in entry:
-                    entry[target] = Logprob(lp, rank, texts[target] if texts else None)
-                entries.append(entry)
+                entries.append(_logprob_entry(ids[:k], tops[:k], target, lp, rank, texts))
 
     def _advance_grammar(self, seq: Sequence, token: int) -> bool:
         """Move the sequence's grammar past ``token``; True when the grammar is complete (stop there)."""
@@ -410,3 +399,14 @@ class LLMEngine:
             num_cached_tokens=request.seqs[0].num_cached_tokens if request.seqs else 0,
             prompt_logprobs=request.prompt_logprobs,
         )
+
+
+def _logprob_entry(top_ids, top_lps, token: int, lp: float, rank: int | None,
+                   texts: list[str] | None) -> dict[int, Logprob]:
+    """One position's ``{token id: Logprob}`` as vLLM gives it: the top k first (ranks 1..k), then
+    ``token`` with its own logprob and rank where it is not among them; texts where detokenizing."""
+    entry = {tid: Logprob(top, r, texts[tid] if texts else None)
+             for r, (tid, top) in enumerate(zip(top_ids, top_lps), start=1)}
+    if token not in entry:
+        entry[token] = Logprob(lp, rank, texts[token] if texts else None)
+    return entry

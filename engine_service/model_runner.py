@@ -180,16 +180,18 @@ class ModelRunner:
         rows = torch.cat([torch.arange(row, row + n) for _, _, row, n in scored])
         targets = torch.cat([torch.tensor(s.request.prompt_token_ids[p + 1:p + 1 + n]) for s, p, _, n in scored])
         k = min(max(s.params.prompt_logprobs for s, *_ in scored), self.vocab_size)
-        parts = []
         # Straight from the LM head's GEMM where it runs on ours (no logits written: the whole step's
         # rows at once); else through the logits, PROMPT_LOGPROBS_ROWS rows at a time.
         fused = self.model.logprobs_from_hidden(hidden.index_select(0, rows.to(hidden.device)), targets, k,
                                                 self.vocab_size)
         if fused is not None:
-            parts.append(fused)
-        for i in range(0, rows.shape[0] if fused is None else 0, PROMPT_LOGPROBS_ROWS):
-            logits = self.model.compute_logits(hidden.index_select(0, rows[i:i + PROMPT_LOGPROBS_ROWS].to(hidden.device)))
-            parts.append(self.sampler.logprobs(logits[:, :self.vocab_size], targets[i:i + PROMPT_LOGPROBS_ROWS], k))
+            parts = [fused]
+        else:
+            parts = []
+            for i in range(0, rows.shape[0], PROMPT_LOGPROBS_ROWS):
+                chunk = rows[i:i + PROMPT_LOGPROBS_ROWS].to(hidden.device)
+                logits = self.model.compute_logits(hidden.index_select(0, chunk))
+                parts.append(self.sampler.logprobs(logits[:, :self.vocab_size], targets[i:i + PROMPT_LOGPROBS_ROWS], k))
         lps, ranks, top_ids, top_lps = (torch.cat(x).tolist() for x in zip(*parts))
         out, i = [], 0
         for s, p, _, n in scored:

@@ -1165,23 +1165,31 @@ void sample_rows(const at::Tensor& x, const at::Tensor& temperature, const at::T
 // torch path (log_softmax, gather, topk over [N, V] float32, after a float copy of bf16 logits) took
 // ~24 ms for 256 rows of 49152 here (bench/RESULTS.md).
 
+// Whether (v, id) goes before (kv, kid) in a top-k list: larger first, equal values by lower id.
+inline bool top_before(float v, int64_t id, float kv, int64_t kid) { return v > kv || (v == kv && id < kid); }
+
+// Puts (v, id) into the k-long list vals / ids (ordered by top_before) if it goes before the last.
+inline void top_insert(float v, int64_t id, int64_t k, float* vals, int64_t* ids) {
+  if (!top_before(v, id, vals[k - 1], ids[k - 1])) return;
+  int64_t p = k - 1;
+  while (p > 0 && top_before(v, id, vals[p - 1], ids[p - 1])) {
+    vals[p] = vals[p - 1];
+    ids[p] = ids[p - 1];
+    --p;
+  }
+  vals[p] = v;
+  ids[p] = id;
+}
+
 // The k largest of x[0..n) (k <= n), descending, equal values by lower index: the first k by
 // insertion, then one pass that inserts only what beats the current k-th (rarely past the start).
 template <typename T>
 void top_k_row(const T* x, int64_t n, int64_t k, int64_t* ids, float* vals) {
-  auto insert = [&](int64_t c, float v, int64_t i) {  // c values held; the last falls off when c == k
-    int64_t p = std::min(c, k - 1);
-    while (p > 0 && vals[p - 1] < v) {
-      vals[p] = vals[p - 1];
-      ids[p] = ids[p - 1];
-      --p;
-    }
-    vals[p] = v;
-    ids[p] = i;
-  };
+  std::fill(vals, vals + k, -INFINITY);
+  std::fill(ids, ids + k, INT64_MAX);
   for (int64_t i = 0; i < k; ++i) {
     const float v = load(x[i]);
-    insert(i, std::isnan(v) ? -INFINITY : v, i);
+    top_insert(std::isnan(v) ? -INFINITY : v, i, k, vals, ids);
   }
   float kth = vals[k - 1];
   int64_t i = k;
@@ -1195,7 +1203,7 @@ void top_k_row(const T* x, int64_t n, int64_t k, int64_t* ids, float* vals) {
     for (; gt; gt &= gt - 1) {
       const int l = __builtin_ctz(gt);
       if (lanes[l] > kth) {
-        insert(k, lanes[l], i + l);
+        top_insert(lanes[l], i + l, k, vals, ids);
         kth = vals[k - 1];
       }
     }
@@ -1204,7 +1212,7 @@ void top_k_row(const T* x, int64_t n, int64_t k, int64_t* ids, float* vals) {
   for (; i < n; ++i) {
     const float v = load(x[i]);
     if (v > kth) {
-      insert(k, v, i);
+      top_insert(v, i, k, vals, ids);
       kth = vals[k - 1];
     }
   }
@@ -1903,22 +1911,6 @@ void gemm_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t v
     }
     o[r] = bi;
   }
-}
-
-// Whether (v, id) goes before (kv, kid) in a top-k list: larger first, equal values by lower id.
-inline bool top_before(float v, int64_t id, float kv, int64_t kid) { return v > kv || (v == kv && id < kid); }
-
-// Puts (v, id) into the k-long list vals / ids (ordered by top_before) if it goes before the last.
-inline void top_insert(float v, int64_t id, int64_t k, float* vals, int64_t* ids) {
-  if (!top_before(v, id, vals[k - 1], ids[k - 1])) return;
-  int64_t p = k - 1;
-  while (p > 0 && top_before(v, id, vals[p - 1], ids[p - 1])) {
-    vals[p] = vals[p - 1];
-    ids[p] = ids[p - 1];
-    --p;
-  }
-  vals[p] = v;
-  ids[p] = id;
 }
 
 // logprobs_rows(gemm_linear(x, packed)[:, :valid], tokens, k) without writing the logits: the
