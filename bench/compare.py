@@ -199,6 +199,35 @@ def source_digest(root: Path = ROOT) -> str:
     return h.hexdigest()[:12]
 
 
+# The instruction-set features that pick Pagoda's kernel paths (and vLLM-CPU's), as /proc/cpuinfo names them.
+HOST_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+
+
+def host_description(cpuinfo: str, cpus: int | None) -> str:
+    """The host kind a command ran on, from /proc/cpuinfo's text: the first processor's model name,
+    family and model numbers, the kernel-picking flags it has, and the CPU count. The sessions'
+    figures are compared per kind (bench/RESULTS.md's top table), so every command says its own."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())  # the first processor's value of each field
+    if not fields:
+        return f"unknown CPU, {cpus} CPUs"
+    flags = set(fields.get("flags", "").split())
+    have = [f.upper() for f in HOST_FLAGS if f in flags]
+    return (f"{fields.get('model name', 'unknown CPU')} (family {fields.get('cpu family', '?')} model "
+            f"{fields.get('model', '?')}; {', '.join(have) or 'none of ' + '/'.join(HOST_FLAGS)}), {cpus} CPUs")
+
+
+def host() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    return host_description(text, os.cpu_count())
+
+
 def revision(root: Path = ROOT) -> str:
     """HEAD's short hash, plus a mark when the sources differ from it ("no git" outside a checkout)."""
     try:
@@ -350,6 +379,8 @@ def main() -> int:
 
     digest = source_digest()
     print(f"Pagoda {revision()} (sources {digest})", flush=True)
+    host_kind = host()
+    print(f"host: {host_kind}", flush=True)
     before = matmul_rates()
     show_rates("before", before)
     runs: dict[str, list[dict]] = {}
@@ -425,8 +456,8 @@ def main() -> int:
         print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"dtype": args.dtype, "pagoda_sources": [digest, digest_end], "matmul_before": before,
-                       "matmul_after": after, "results": results, "runs": runs}, f, indent=1)
+            json.dump({"dtype": args.dtype, "host": host_kind, "pagoda_sources": [digest, digest_end],
+                       "matmul_before": before, "matmul_after": after, "results": results, "runs": runs}, f, indent=1)
     return 0
 
 

@@ -147,3 +147,29 @@ def test_bad_sampling_options_are_refused_before_anything_runs(option, value, me
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), option, value],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and message in run.stderr and "matmul" not in run.stdout
+
+
+_CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 207
+model name\t: Intel(R) Xeon(R) Platinum
+flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile
+
+processor\t: 1
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu avx2
+"""
+
+
+def test_host_description_names_the_kind_a_command_ran_on(compare):
+    assert compare.host_description(_CPUINFO, 2) == (
+        "Intel(R) Xeon(R) Platinum (family 6 model 207; AMX_BF16, AVX512_BF16, AVX512F, AVX2), 2 CPUs")
+    zen3 = _CPUINFO.split("\n\n", 1)[1].replace("processor\t: 1", "processor\t: 0")
+    assert compare.host_description(zen3, 2) == "AMD EPYC (family 25 model 17; AVX2), 2 CPUs"
+    bare = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse2\n"
+    assert compare.host_description(bare, 4) == (
+        "Some CPU (family ? model ?; none of amx_bf16/avx512_bf16/avx512f/avx2), 4 CPUs")
+    assert compare.host_description("", None) == "unknown CPU, None CPUs"
