@@ -32,6 +32,11 @@ most traffic asks for, and where an engine's sampler shows. ``--logprobs N`` has
 for its tokens' logprobs and N top ones, ``--prompt-logprobs N`` for its prompt tokens' (evaluation
 runs do both). The targets are judged on greedy W without logprobs only.
 
+``--max-num-seqs N`` gives Pagoda and vLLM both that many running sequences at most (default: 256
+for both). ``--workload W-small --max-num-seqs 1`` serves one request at a time, every step one row:
+a latency comparison (a step then reads every weight once and is bound by the memory, not the
+arithmetic), so the ceiling line and the targets, which are on W at the default, are left out.
+
 ``--max-num-batched-tokens N`` gives Pagoda and vLLM both that step budget. Without it each takes
 its own default, 2048 tokens for both (vLLM's ``EngineArgs`` default, which this command's
 ``LLMEngine`` gets; vLLM's ``LLM`` class takes 4096 on CPU): bench/RESULTS.md, forty-second session,
@@ -272,6 +277,8 @@ def engine_command(engine: str, args) -> tuple[str, list[str], dict]:
             cmd += ["--matmul-dtype", args.matmul_dtype]
     if engine in ("pagoda", "vllm") and args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if engine in ("pagoda", "vllm") and args.max_num_seqs:
+        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     if engine in ("pagoda", "vllm") and args.num_speculative_tokens:
         cmd += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
     if engine in ("pagoda", "vllm") and args.temperature > 0:
@@ -320,16 +327,18 @@ def target_lines(pagoda: dict, results: list[dict], dtype: str) -> list[str]:
 
 
 def closing_lines(pagoda: dict | None, results: list[dict], dtype: str, digests: tuple[str, str],
-                  speculative: bool, sampled: str | None = None) -> list[str]:
+                  speculative: bool, settings: str | None = None) -> list[str]:
     """What the command ends with: the targets judged, unless Pagoda's sources changed between the
     digests taken at the start and at the end (its runs may then have loaded different code) or the
-    runs were speculative or ``sampled`` (the sampling settings: not the issue's comparison)."""
+    runs were speculative or ran with other ``settings`` than the issue's comparison (sampling,
+    logprobs, a sequence limit: named in the line that says so)."""
     if digests[0] != digests[1]:
         return [f"!! Pagoda's sources changed while this command ran (sources {digests[0]} at the start, "
                 f"{digests[1]} at the end): its runs may have loaded different code, so no target is judged; "
                 "run it again on a tree left alone"]
-    if sampled:
-        return [f"sampled ({sampled}): the targets are on greedy W and are not judged here"]
+    if settings:
+        return [f"{settings}: the targets are on greedy W at the engines' default concurrency and are not "
+                "judged here"]
     if pagoda is None or speculative:
         return []
     return target_lines(pagoda, results, dtype)
@@ -349,6 +358,9 @@ def main() -> int:
                          "step (0: off, the default and the like-for-like setting)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="Pagoda's and vLLM's step token budget (default: each engine's own)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="Pagoda's and vLLM's most running sequences (default 256 for both; 1: one request at a "
+                         "time, a latency comparison whose rows are not the targets')")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="Pagoda and vLLM alike: sample at this temperature (0: greedy, the workload's own and the "
                          "targets' setting; output lengths stay the workload's either way)")
@@ -366,6 +378,8 @@ def main() -> int:
         ap.error("--repeat must be >= 1")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
         ap.error("--max-num-batched-tokens must be >= 1")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        ap.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if not args.temperature >= 0:
         ap.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
@@ -440,19 +454,20 @@ def main() -> int:
     wl = load_workload(args.workload)
     bound = bound_seconds(wl, args.dtype, usable, stream)
     out_tokens = sum(r["max_tokens"] for r in wl)
-    print(f"\nceiling for {args.workload} on this host: {bound:.1f} s = {out_tokens / bound:.0f} output tok/s "
-          f"(GEMMs and prefill attention at {usable:.0f} GFLOP/s, the fastest of torch.mm, oneDNN on a "
-          f"packed weight and Pagoda's own GEMM; decode attention's K/V reads at the "
-          f"{stream:.1f} GB/s streaming rate, nothing else); "
-          + "; ".join(f"{r['engine']} at {100 * bound / r['elapsed']:.0f}% of it" for r in results
-                      if r["workload"] == args.workload))
+    if args.max_num_seqs is None:  # with a sequence limit the steps are too small for the arithmetic to bound them
+        print(f"\nceiling for {args.workload} on this host: {bound:.1f} s = {out_tokens / bound:.0f} output tok/s "
+              f"(GEMMs and prefill attention at {usable:.0f} GFLOP/s, the fastest of torch.mm, oneDNN on a "
+              f"packed weight and Pagoda's own GEMM; decode attention's K/V reads at the "
+              f"{stream:.1f} GB/s streaming rate, nothing else); "
+              + "; ".join(f"{r['engine']} at {100 * bound / r['elapsed']:.0f}% of it" for r in results
+                          if r["workload"] == args.workload))
     digest_end = source_digest()
-    sampled = ", ".join(([f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"]
-                         if args.temperature > 0 else [])
-                        + [f"{name} {getattr(args, name)}" for name in ("logprobs", "prompt_logprobs")
-                           if getattr(args, name) is not None]) or None
+    settings = ", ".join(([f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"]
+                          if args.temperature > 0 else [])
+                         + [f"{name} {getattr(args, name)}" for name in ("logprobs", "prompt_logprobs", "max_num_seqs")
+                            if getattr(args, name) is not None]) or None
     for line in closing_lines(pagoda, results, args.dtype, (digest, digest_end), bool(args.num_speculative_tokens),
-                              sampled):
+                              settings):
         print(line)
     if args.json:
         with open(args.json, "w") as f:

@@ -101,8 +101,11 @@ def test_closing_lines_judge_no_target_when_the_sources_changed(compare):
     assert compare.closing_lines(pagoda, rows, "bfloat16", ("abc", "abc"), speculative=True) == []
     assert compare.closing_lines(None, rows[1:], "bfloat16", ("abc", "abc"), speculative=False) == []
     sampled = compare.closing_lines(pagoda, rows, "bfloat16", ("abc", "abc"), speculative=False,
-                                    sampled="temperature 0.8, top_p 0.95, top_k 0")
+                                    settings="temperature 0.8, top_p 0.95, top_k 0")
     assert len(sampled) == 1 and "not judged" in sampled[0] and "top_p 0.95" in sampled[0]
+    one_at_a_time = compare.closing_lines(pagoda, rows, "bfloat16", ("abc", "abc"), speculative=False,
+                                          settings="max_num_seqs 1")
+    assert len(one_at_a_time) == 1 and "not judged" in one_at_a_time[0] and "max_num_seqs 1" in one_at_a_time[0]
 
 
 def test_step_budget_goes_to_pagoda_and_vllm_only(compare, tmp_path, monkeypatch):
@@ -112,16 +115,18 @@ def test_step_budget_goes_to_pagoda_and_vllm_only(compare, tmp_path, monkeypatch
     monkeypatch.setattr(compare, "VLLM_VENV", venv)
     monkeypatch.setattr("engine_service.model_loader.resolve_model_dir", lambda name: "/model")  # no GGUF conversion
     args = compare.argparse.Namespace(dtype="bfloat16", workload="W", hf_workload="W-small", matmul_dtype=None,
-                                      num_speculative_tokens=0, max_num_batched_tokens=4096, temperature=0.0,
-                                      top_p=1.0, top_k=0, logprobs=None, prompt_logprobs=None)
+                                      num_speculative_tokens=0, max_num_batched_tokens=4096, max_num_seqs=1,
+                                      temperature=0.0, top_p=1.0, top_k=0, logprobs=None, prompt_logprobs=None)
     for engine in ("pagoda", "vllm", "hf-single"):
         py, cmd, env = compare.engine_command(engine, args)
         budget = cmd[cmd.index("--max-num-batched-tokens") + 1] if "--max-num-batched-tokens" in cmd else None
         assert budget == ("4096" if engine in ("pagoda", "vllm") else None), (engine, cmd)
+        seqs = cmd[cmd.index("--max-num-seqs") + 1] if "--max-num-seqs" in cmd else None
+        assert seqs == ("1" if engine in ("pagoda", "vllm") else None), (engine, cmd)
         if engine == "vllm":
             assert py == str(venv / "bin" / "python") and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
-    args.max_num_batched_tokens = None
-    assert "--max-num-batched-tokens" not in compare.engine_command("pagoda", args)[1]
+    args.max_num_batched_tokens = args.max_num_seqs = None
+    assert not {"--max-num-batched-tokens", "--max-num-seqs"} & set(compare.engine_command("pagoda", args)[1])
     plain = compare.engine_command("pagoda", args)[1]
     assert not {"--temperature", "--logprobs", "--prompt-logprobs"} & set(plain)  # greedy: the workload's own
     # Sampling settings reach Pagoda and vLLM alike, and no baseline that cannot take them.
@@ -142,7 +147,8 @@ def test_step_budget_goes_to_pagoda_and_vllm_only(compare, tmp_path, monkeypatch
                                                   ("--top-p", "1.5", "--top-p must be in (0, 1]"),
                                                   ("--top-k", "-3", "--top-k must be >= 0"),
                                                   ("--logprobs", "-1", "--logprobs must be >= 0"),
-                                                  ("--prompt-logprobs", "-2", "--prompt-logprobs must be >= 0")])
+                                                  ("--prompt-logprobs", "-2", "--prompt-logprobs must be >= 0"),
+                                                  ("--max-num-seqs", "0", "--max-num-seqs must be >= 1")])
 def test_bad_sampling_options_are_refused_before_anything_runs(option, value, message):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), option, value],
                          capture_output=True, text=True, timeout=60)
