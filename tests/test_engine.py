@@ -214,6 +214,33 @@ def test_output_kinds_hand_out_the_same_completion(tiny_llama_dir, prompts, refe
             SamplingParams(output_kind=bad)
 
 
+@pytest.mark.parametrize("onednn", [False, True], ids=["host-default", "onednn"])
+def test_gemm_rows_are_padded_only_where_onednn_multiplies(tiny_llama_dir, prompts, onednn):
+    """oneDNN builds a primitive per row count, so where it multiplies any of the model's GEMMs a
+    step's rows are padded to a multiple of 8; Pagoda's GEMMs take any row count, so where they
+    multiply every GEMM a step runs its rows as they are (a decode step of 3 sequences: 3 rows, not
+    8). Forcing oneDNN (``cpu_bf16_gemm`` and ``cpu_f32_gemm`` off) pads wherever it is available."""
+    from engine_service.models.llama import Linear
+
+    opts = {"cpu_bf16_gemm": False, "cpu_f32_gemm": False} if onednn else {}
+    llm = LLM(tiny_llama_dir, dtype="bfloat16", **opts)
+    model = llm.llm_engine.runner.model
+    uses_onednn = (model.tied_lm_head_packed is not None
+                   or any(isinstance(m, Linear) and m.packed_weight is not None for m in model.modules()))
+    if onednn and not uses_onednn:
+        pytest.skip("oneDNN's packed GEMM is not available in this torch build")
+    rows = []
+    hook = model.embed_tokens.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[0]))
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], greedy, use_tqdm=False)
+    finally:
+        hook.remove()
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+    decode_rows = rows[-3:]  # the last three steps decode the three sequences together
+    assert decode_rows == ([8] * 3 if uses_onednn else [3] * 3), rows
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_steps_take_the_argmax_inside_the_lm_head_with_the_same_tokens(tiny_llama_dir, prompts, dtype):
     """A step whose rows are all plain greedy takes its tokens from the LM head's GEMM
@@ -649,6 +676,7 @@ _BF16_ON_F32_GEMM = {"cpu_f32_gemm": True, "matmul_dtype": "float32"}
 
 @pytest.mark.parametrize("model,dtype,forced", [
     pytest.param("tiny", "float32", {}, id="tiny-float32"), pytest.param("tiny", "bfloat16", {}, id="tiny-bfloat16"),
+    pytest.param("tiny", "bfloat16", {"gemm_row_multiple": 8}, id="tiny-bfloat16-padded"),
     pytest.param("bundled", "bfloat16", {}, id="bundled-bfloat16"),
     pytest.param("bundled", "float32", _F32_GEMM, id="bundled-float32-f32-gemm"),
     pytest.param("bundled", "bfloat16", _BF16_ON_F32_GEMM, id="bundled-bfloat16-f32-gemm")])
@@ -663,10 +691,16 @@ def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir
     weights (activations widened, outputs rounded back) on our float32 GEMMs. Forced on every host
     with AVX2: our float32 GEMMs for the bundled model in float32, and in bfloat16 on float32
     weights (both with the fused QKV + rotary). Where our GEMMs have a row limit (AMX), the bundled
-    model runs again with the limit lowered to 16 rows, so most steps take oneDNN's."""
+    model runs again with the limit lowered to 16 rows, so most steps take oneDNN's. Padded: the
+    rows padded to a multiple of 8 as where oneDNN multiplies (on every host, so that the layers'
+    padding rows are covered where all the GEMMs are ours and nothing pads)."""
+    forced = dict(forced)
+    pad = forced.pop("gemm_row_multiple", None)
     llm = LLM(tiny_llama_dir if model == "tiny" else bundled_dir, dtype=dtype, max_num_batched_tokens=40,
               num_speculative_tokens=3, max_model_len=512, seed=0, enable_prefix_caching=False, **forced)
     runner = llm.llm_engine.runner
+    if pad:
+        runner.model.gemm_row_multiple = pad
     if forced:
         if not runner.layer_ops.f32_gemm:
             pytest.skip("this CPU has no AVX2 and FMA: no float32 GEMM of ours to force")
@@ -704,6 +738,8 @@ def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir
             # Steps with a prefill run in Python where the CPU has no prefill kernel (no AVX2).
             in_one_call = len(forwards) if prefill_supported(getattr(torch, dtype)) else prefills.count(False)
             assert in_one_call and len(calls) == in_one_call, "a step ran its layers in Python"
+            if pad:
+                assert all(c % pad == 0 for c in calls), calls
             assert got_out == want_out
             assert len(got) == len(want)
             for i, (g, w) in enumerate(zip(got, want)):

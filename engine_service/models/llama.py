@@ -285,9 +285,11 @@ class LlamaForCausalLM(nn.Module):
         # pack_gemm_weights(float32_kernel=True): the tied LM head's bf16 weight on our float32 kernel
         self.tied_lm_head_gemm: torch.Tensor | None = None
         self.gemm_ops = None
-        # GEMM inputs are padded with rows up to a multiple of this (pack_weights sets 8): oneDNN
-        # builds a primitive per row count on first use (~2 ms per weight shape on a 2-core Xeon), and
-        # as requests finish nearly every decode step has a new count (~10 ms a step before this).
+        # GEMM inputs are padded with rows up to a multiple of this (pack_weights sets 8 where oneDNN
+        # multiplies any of them): oneDNN builds a primitive per row count on first use (~2 ms per
+        # weight shape on a 2-core Xeon), and as requests finish nearly every decode step has a new
+        # count (~10 ms a step before this). Pagoda's GEMMs take any row count as it is: padding
+        # them only adds rows to multiply (a one-sequence step's 1 row became 8).
         self.gemm_row_multiple = 1
         # The decoder layers' weights for ops.decoder_layers (build_layer_stack): forward then runs
         # them in one C++ call instead of layer by layer from Python. None: the Python layers.
@@ -474,7 +476,7 @@ class LlamaForCausalLM(nn.Module):
         # A weight kept only in our GEMMs' layout (Linear/LlamaMLP.pack_gemm) has none left to pack.
         linears = [m for m in self.modules() if isinstance(m, Linear) and m.weight.numel()]
         packed = all([m.pack(batch_hint) for m in linears])
-        if packed:
+        if packed and (linears or self.tied_lm_head_packed is not None):
             self.gemm_row_multiple = 8
         return packed
 
