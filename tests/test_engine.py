@@ -674,14 +674,15 @@ _F32_GEMM = {"cpu_f32_gemm": True}
 _BF16_ON_F32_GEMM = {"cpu_f32_gemm": True, "matmul_dtype": "float32"}
 
 
-@pytest.mark.parametrize("model,dtype,forced", [
-    pytest.param("tiny", "float32", {}, id="tiny-float32"), pytest.param("tiny", "bfloat16", {}, id="tiny-bfloat16"),
-    pytest.param("tiny", "bfloat16", {"gemm_row_multiple": 8}, id="tiny-bfloat16-padded"),
-    pytest.param("bundled", "bfloat16", {}, id="bundled-bfloat16"),
-    pytest.param("bundled", "float32", _F32_GEMM, id="bundled-float32-f32-gemm"),
-    pytest.param("bundled", "bfloat16", _BF16_ON_F32_GEMM, id="bundled-bfloat16-f32-gemm")])
+@pytest.mark.parametrize("model,dtype,forced,pad", [
+    pytest.param("tiny", "float32", {}, None, id="tiny-float32"),
+    pytest.param("tiny", "bfloat16", {}, None, id="tiny-bfloat16"),
+    pytest.param("tiny", "bfloat16", {}, 8, id="tiny-bfloat16-padded"),
+    pytest.param("bundled", "bfloat16", {}, None, id="bundled-bfloat16"),
+    pytest.param("bundled", "float32", _F32_GEMM, None, id="bundled-float32-f32-gemm"),
+    pytest.param("bundled", "bfloat16", _BF16_ON_F32_GEMM, None, id="bundled-bfloat16-f32-gemm")])
 def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir, bundled_dir, prompts, model,
-                                                                  dtype, forced):
+                                                                  dtype, forced, pad):
     """On CPU the decoder layers run in one C++ call a step (``LlamaForCausalLM.layer_stack``,
     ``CpuLayerOps.decoder_layers``): every step's logits are bitwise those of the Python layers,
     in steps mixing chunked prefill, decodes, speculative decodes, GEMM padding rows and the pruned
@@ -694,8 +695,6 @@ def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir
     model runs again with the limit lowered to 16 rows, so most steps take oneDNN's. Padded: the
     rows padded to a multiple of 8 as where oneDNN multiplies (on every host, so that the layers'
     padding rows are covered where all the GEMMs are ours and nothing pads)."""
-    forced = dict(forced)
-    pad = forced.pop("gemm_row_multiple", None)
     llm = LLM(tiny_llama_dir if model == "tiny" else bundled_dir, dtype=dtype, max_num_batched_tokens=40,
               num_speculative_tokens=3, max_model_len=512, seed=0, enable_prefix_caching=False, **forced)
     runner = llm.llm_engine.runner
