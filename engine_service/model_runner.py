@@ -234,46 +234,48 @@ class ModelRunner:
         for s, st, n in zip(seqs[num_decodes:], starts[num_decodes:], num_new[num_decodes:]):
             input_ids.extend(s.token_ids[st:st + n])
 
+        # The step's index arithmetic in numpy, handed to torch without copies: a torch op on a
+        # handful of ints costs 5-90 us where numpy's costs 1-5 (a one-sequence decode step's
+        # host share: bench/RESULTS.md).
         b = len(seqs)
-        num_new_t = torch.tensor(num_new)
-        starts_t = torch.tensor(starts)
-        seq_lens_t = starts_t + num_new_t
+        num_new_n = np.array(num_new, dtype=np.int64)
+        starts_n = np.array(starts, dtype=np.int64)
+        seq_lens_n = starts_n + num_new_n
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = np.zeros((b, max_blocks), dtype=np.int32)
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
-        block_tables = torch.from_numpy(tables)
 
         t = len(input_ids)
-        cu = torch.zeros(b + 1, dtype=torch.int64)
-        torch.cumsum(num_new_t, 0, out=cu[1:])
-        seq_idx = torch.repeat_interleave(torch.arange(b), num_new_t)
-        positions = starts_t[seq_idx] + torch.arange(t) - cu[seq_idx]
+        cu = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(num_new_n, out=cu[1:])
+        seq_idx = np.repeat(np.arange(b), num_new_n)
+        positions = np.arange(t) + (starts_n - cu[:-1])[seq_idx]
         bs = self.block_size
-        slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+        slot_mapping = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
 
         bd = num_decodes
         rd = int(cu[bd])  # decode rows
-        pre_lens = seq_lens_t[bd:]
         if rd == bd:
-            dec_lens, dec_tables = seq_lens_t[:bd], block_tables[:bd]
+            dec_lens, dec_tables = seq_lens_n[:bd], tables[:bd]
         else:  # speculative rows: each position's own length, its sequence's table
-            dec_lens, dec_tables = positions[:rd] + 1, block_tables[seq_idx[:rd]]
+            dec_lens, dec_tables = positions[:rd] + 1, tables[seq_idx[:rd]]
         max_dec = int(dec_lens.max()) if bd else 0
-        max_pre = int(pre_lens.max()) if b > bd else 0
+        max_pre = int(seq_lens_n[bd:].max()) if b > bd else 0
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
+            slot_mapping=torch.from_numpy(slot_mapping),
             num_decode_tokens=rd,
-            decode_block_tables=dec_tables[:, :-(-max_dec // bs)].contiguous(),
-            decode_seq_lens=dec_lens.to(torch.int32),
+            decode_block_tables=torch.from_numpy(np.ascontiguousarray(dec_tables[:, :-(-max_dec // bs)])),
+            decode_seq_lens=torch.from_numpy(dec_lens.astype(np.int32)),
             num_prefills=b - bd,
-            prefill_query_lens=num_new_t[bd:],
-            prefill_seq_lens=pre_lens,
-            prefill_block_tables=block_tables[bd:, :-(-max_pre // bs)].contiguous(),
+            prefill_query_lens=torch.from_numpy(num_new_n[bd:]),
+            prefill_seq_lens=torch.from_numpy(seq_lens_n[bd:]),
+            prefill_block_tables=torch.from_numpy(np.ascontiguousarray(tables[bd:, :-(-max_pre // bs)])),
             max_prefill_query_len=max(num_new[bd:], default=0),
             max_prefill_seq_len=max_pre,
             max_decode_seq_len=max_dec,
         )
+        seq_idx, positions = torch.from_numpy(seq_idx), torch.from_numpy(positions)
         self.attn.prepare(meta, bs)
 
         # Only sequences whose pending tokens are now all computed sample a token; a decode with a
@@ -315,7 +317,9 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, scored) if scored else []
         if not rows:
             return [], None, prompt_logprobs
-        hidden = hidden.index_select(0, rows_t.to(self.device))
+        if forks or len(rows) != hidden.shape[0]:
+            # (without forks every sampled row is a different row, in order: all of them is all)
+            hidden = hidden.index_select(0, rows_t.to(self.device))
         batch = SamplingBatch(
             params=[s.params for s in sampled],
             prompt_token_ids=[s.request.prompt_token_ids for s in sampled],

@@ -84,6 +84,26 @@ def test_n_greedy_forks_share_the_prompt_and_match(tiny_llama_dir, prompts, refe
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_forks_sample_their_prompts_last_row_beside_scored_rows(tiny_llama_dir, prompts):
+    """A forking request (n = 2) that also asks for prompt logprobs: the step's hidden rows are its
+    scored prompt positions and its last one, and both completions sample the last one. With a
+    2-token prompt there are as many sampled rows as hidden rows, which a runner that took "as
+    many rows as sampled" for "every row, in order" would get wrong (the first completion would
+    continue from the first position)."""
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def greedy(p):
+        return llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    # a prompt whose two positions predict different tokens, so the wrong row shows
+    prompt = next(p[:2] for p in prompts if len(p) >= 2 and greedy(p[:1])[0] != greedy(p[:2])[0])
+    forked = SamplingParams(n=2, prompt_logprobs=1, temperature=0.0, max_tokens=6, ignore_eos=True)
+    two = llm.generate({"prompt_token_ids": prompt}, forked, use_tqdm=False)[0]
+    assert [c.token_ids for c in two.outputs] == [greedy(prompt)] * 2
+    assert len(two.prompt_logprobs) == 2
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_llama_dir, prompts):
     llm = LLM(tiny_llama_dir, dtype="float32")
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
