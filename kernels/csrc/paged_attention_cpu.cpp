@@ -713,21 +713,11 @@ SpanFn<T> span_fn_d(int nh) {
 
 // The span function for nh heads over nkv kv heads a call; head_dim 64 and 128 get compile-time
 // specialisations, and bf16 with head_dim 64 one with the queries in registers for a full group
-// (nkv = kMaxGroupHeads / nh) and for one kv head (run_item makes no other calls there): a head's
-// arithmetic is the same in both, so its bits do not depend on how many kv heads its item holds.
+// (nkv = kMaxGroupHeads / nh).
 template <typename T>
 SpanFn<T> span_fn(int nh, int D, int nkv) {
 #if PAGODA_DPBF16
   if constexpr (std::is_same_v<T, bf16_t>) {
-    if (D == 64 && nkv == 1 && kMaxGroupHeads / nh > 1) {
-      switch (nh) {
-        case 1: return attend_span_bf16<1, 64, 1>;
-        case 2: return attend_span_bf16<2, 64, 1>;
-        case 3: return attend_span_bf16<3, 64, 1>;
-        case 4: return attend_span_bf16<4, 64, 1>;
-        default: break;
-      }
-    }
     if (D == 64 && nkv == kMaxGroupHeads / nh) {
       switch (nh) {
         case 1: return attend_span_bf16<1, 64, kMaxGroupHeads / 1>;
@@ -867,12 +857,9 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   const int32_t* bt = item_block_table(P, b, nr);
   const int nkv = kh1 - kh0;
   const int64_t elt = sizeof(T);
-  // kv heads per span call: groups of `full` (the scores of full x g heads x kSpan tokens wait in
-  // S.tmp for the softmax, so it must stay small: L1), the rest one at a time. A head's call thus
-  // has one of two shapes whatever its item's kv heads (all of them, or one: decode_impl), and the
-  // span length below is the model's, so a row's bits do not depend on the batch.
-  const int full = std::max(1, kMaxGroupHeads / std::min(g, kMaxNH));
-  const int kvg = std::min(P.kvh, full);
+  // kv heads per span call: the scores of kvg x g heads x kSpan tokens wait in S.tmp for the
+  // softmax, so it must stay small (L1).
+  const int kvg = std::max(1, std::min(nkv, kMaxGroupHeads / std::min(g, kMaxNH)));
   const int span_bytes = kSpan * (kvg * std::min(g, kMaxNH) * 64 + 2 * kvg * D * static_cast<int>(sizeof(T)));
   const int span = span_bytes <= kMaxSpanBytes ? kSpan : kTile;
   // Prefetch: every token's K and V rows are requested into L2 `ahead` tokens (kPrefetchBytes of K
@@ -903,10 +890,10 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   int next_left = next ? std::max(0, std::min(ahead, next->t1 - next->t0)) : 0;
   const void* krow[kSpan];
   const void* vrow[kSpan];
-  SpanFn<T> fns[kMaxNH + 1];  // for one kv head
+  SpanFn<T> fns[kMaxNH + 1];  // for a runtime kv-head count
   SpanFn<T> fns_full[kMaxNH + 1];  // for kMaxGroupHeads / nh kv heads
   for (int nh = 1; nh <= std::min(g, kMaxNH); ++nh) {
-    fns[nh] = span_fn<T>(nh, D, 1);
+    fns[nh] = span_fn<T>(nh, D, 0);
     fns_full[nh] = span_fn<T>(nh, D, kMaxGroupHeads / nh);
   }
   const void* krow_g[kSpan];
@@ -935,8 +922,8 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
     next_rows.fill(kpf + na, vpf + na, nn);
     next_left -= nn;
     for (int t = na + nn; t < n; ++t) kpf[t] = vpf[t] = nullptr;
-    for (int kg = 0; kg < nkv; kg += A.nkv) {  // kv heads [kg, kg + A.nkv) of the item
-      A.nkv = nkv - kg >= full ? full : 1;
+    for (int kg = 0; kg < nkv; kg += kvg) {  // kv heads [kg, kg + A.nkv) of the item
+      A.nkv = std::min(kvg, nkv - kg);
       const void* const* kpf_kg = kpf;
       const void* const* vpf_kg = vpf;
       A.krow = krow;
@@ -1015,6 +1002,11 @@ void write_out(const float* acc, const float* l, int nheads, int D, T* ob) {
 template <typename T>
 void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, int nthreads) {
   const int B = P.B, D = P.D, g = P.g, bs = P.block_size, kvh = P.kvh;
+  // Items cover all kv heads of a sequence (each block is then read as one contiguous run); with few
+  // sequences the context split below makes the parallelism. Measured on Zen 4 (Llama-8B shapes,
+  // 2 x 4096, one thread): 1.17x the DRAM throughput of one item per kv head, which the kernel made
+  // when there were fewer than 4 sequences per thread.
+  const int hpi = kvh;  // kv heads per item
   // A long context is split into block-aligned slices (flash-decoding) whose partial results are
   // merged at the end, in slice order. The slice size depends on the thread count alone, never on
   // the batch, so a row's result depends only on its own context: the same bits in any batch (with
@@ -1043,18 +1035,8 @@ void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, 
   // Longest items first (the dynamic schedule then balances the tail); a sequence's items adjacent.
   std::vector<int> order;
   order.reserve(B);
-  int64_t whole = 0;  // items of all kv heads
   for (int b = 0; b < B; ++b)
-    if (group[b]) {
-      order.push_back(b);
-      whole += splits[b];
-    }
-  // Items cover all kv heads of a sequence (each block is then read as one contiguous run; with few
-  // sequences the context split above makes the parallelism. Measured on Zen 4, Llama-8B shapes,
-  // 2 x 4096, one thread: 1.17x the DRAM throughput of one item per kv head), unless there are
-  // fewer such items than threads (one short sequence: a lone request's decode step): then one kv
-  // head each, so the idle threads take some. A head's bits are the same either way (run_item).
-  const int hpi = whole < nthreads ? 1 : kvh;  // kv heads per item
+    if (group[b]) order.push_back(b);
   auto item_len = [&](int b) { return (std::max(0, P.seq_lens[b]) + splits[b] - 1) / splits[b]; };
   if (order.size() > 1)
     std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return item_len(x) > item_len(y); });
