@@ -14,7 +14,8 @@ approximates; whole runs of bench/compare.py cannot resolve a few percent of att
 
 A layer's K/V in a W decode step (~33 MB) fits the L3 share of some hosts, so the second kernel of
 a pair may read it from L3: ``--first-only`` counts each kernel only where it ran first (half of
-the calls each, both from DRAM as in the engine). ``--block-size`` sets the engine's KV block size.
+the calls each, both from DRAM as in the engine). ``--block-size`` sets the engine's KV block size;
+``--max-num-seqs 1`` serves the requests one at a time (a lone sequence's decode calls).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--workload", default="W", choices=["W", "W-small"])
     ap.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="the engine's max_num_seqs (default: its own)")
     ap.add_argument("--first-only", action="store_true",
                     help="time each kernel only in the calls where it runs first (cold K/V for both)")
     args = ap.parse_args()
@@ -56,7 +58,10 @@ def main() -> int:
     from engine_service import LLM
 
     old_op = load_cpu_baseline(args.old).paged_decode_attention.default
-    engine = LLM(dtype=args.dtype, block_size=args.block_size).llm_engine
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        ap.error("--max-num-seqs must be >= 1")
+    opts = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    engine = LLM(dtype=args.dtype, block_size=args.block_size, **opts).llm_engine
     runner = engine.runner
     runner.model.layer_stack = None  # the layers from Python, so every decode call goes through attn.decode
     if runner.attn.name != "cpu":
