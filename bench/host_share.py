@@ -2,14 +2,16 @@
 and the LM head's argmax (scheduling, the step's input tensors, sampling bookkeeping, detokenizing,
 the request outputs), at N greedy sequences decoding together.
 
-    python bench/host_share.py [--seqs 1] [--tokens 1500] [--against OLD_model_runner.py]
+    python bench/host_share.py [--seqs 1] [--tokens 1500] [--against OLD_model_runner.py | --against-nta-rows 0]
 
 ``--against``: another revision's engine_service/model_runner.py (``git show
 REV:engine_service/model_runner.py > /tmp/old.py``). Its ``ModelRunner.execute`` and this
 checkout's then take turns in the same engine, in blocks of 20 steps, so both see the same host
 (its memory rate wanders by tens of percent from minute to minute here, far more than the host's
 share of a step: whole runs in fresh processes cannot resolve it). Prints the median step and host
-time of each. Model loading and the first steps (prefill) are left out.
+time of each. ``--against-nta-rows N``: the turns differ in the GEMMs' non-temporal weight reads
+instead (``torch.ops.pagoda_cpu.gemm_set_nta_rows``: calls of up to N rows; this checkout's
+setting in the other turns). Model loading and the first steps (prefill) are left out.
 """
 from __future__ import annotations
 
@@ -41,18 +43,32 @@ def main() -> int:
     ap.add_argument("--seqs", type=int, default=1, help="sequences decoding together")
     ap.add_argument("--tokens", type=int, default=1500, help="output tokens a sequence")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--against", metavar="OLD.py", help="another revision's engine_service/model_runner.py")
+    against = ap.add_mutually_exclusive_group()
+    against.add_argument("--against", metavar="OLD.py", help="another revision's engine_service/model_runner.py")
+    against.add_argument("--against-nta-rows", type=int, metavar="N",
+                         help="the other turns with non-temporal weight reads in GEMM calls of up to N rows")
     args = ap.parse_args()
     if args.seqs < 1 or args.tokens < 2 * BLOCK:
         ap.error(f"--seqs must be >= 1 and --tokens >= {2 * BLOCK}")
+    if args.against_nta_rows is not None and not 0 <= args.against_nta_rows <= 6:
+        ap.error("--against-nta-rows must be in [0, 6]")
 
     from engine_service import LLM, SamplingParams
     from engine_service.model_runner import ModelRunner
 
-    impls = {"this checkout": ModelRunner.execute}
+    engine = LLM(dtype=args.dtype, max_num_seqs=args.seqs).llm_engine  # builds the kernels
+    import torch
+
+    set_nta = torch.ops.pagoda_cpu.gemm_set_nta_rows
+    nta = set_nta(0)
+    set_nta(nta)
+    # name -> (ModelRunner.execute, the GEMMs' non-temporal rows)
+    impls = {"this checkout": (ModelRunner.execute, nta)}
     if args.against:
-        impls = {args.against: load_runner_module(args.against).ModelRunner.execute, **impls}
-    engine = LLM(dtype=args.dtype, max_num_seqs=args.seqs).llm_engine
+        impls = {args.against: (load_runner_module(args.against).ModelRunner.execute, nta), **impls}
+    elif args.against_nta_rows is not None:
+        impls = {f"nta rows {args.against_nta_rows}": (ModelRunner.execute, args.against_nta_rows),
+                 f"this checkout (nta rows {nta})": impls["this checkout"]}
     runner, model = engine.runner, engine.runner.model
 
     inside = [0.0]  # seconds of this step in the forward and the LM head
@@ -79,7 +95,9 @@ def main() -> int:
     k = 0
     while engine.has_unfinished_requests():
         name = names[(k // BLOCK) % len(names)]
-        runner.execute = types.MethodType(impls[name], runner)
+        execute, rows = impls[name]
+        runner.execute = types.MethodType(execute, runner)
+        set_nta(rows)
         inside[0] = 0.0
         t = time.perf_counter()
         engine.step()
@@ -91,10 +109,12 @@ def main() -> int:
     for name in impls:
         print(f"{name}: step median {statistics.median(steps[name]) * 1e3:.3f} ms, host median "
               f"{statistics.median(host[name]) * 1e6:.0f} us ({len(steps[name])} steps)")
-    if args.against:
+    set_nta(nta)
+    if len(names) == 2:
         old, new = (statistics.median(host[n]) for n in names)
         s_old, s_new = (statistics.median(steps[n]) for n in names)
-        print(f"host time: this checkout / {args.against} {new / old:.3f}; step time {s_new / s_old:.3f}")
+        print(f"host time: {names[1]} / {names[0]} {new / old:.3f}; step time {s_new / s_old:.3f} "
+              f"({names[0]} / {names[1]}: {s_old / s_new:.3f}x)")
     return 0
 
 

@@ -583,6 +583,29 @@ def test_gemm_linear_is_close_to_float64_and_row_count_invariant(ops, n, k, dtyp
         assert torch.equal(cpu.gemm_linear(wide[:, :k], packed), full)
 
 
+def test_gemm_non_temporal_weight_reads_change_no_bits(ops):
+    """bf16 calls of up to 6 rows (by default) read the weights non-temporally; the products are the
+    same with them on or off, at every row count around the limit, the argmax epilogue included."""
+    cpu = _gemm_ops(ops)
+    set_nta = torch.ops.pagoda_cpu.gemm_set_nta_rows
+    g = torch.Generator().manual_seed(6)
+    w = (0.05 * torch.randn(960, 576, generator=g)).to(torch.bfloat16)
+    packed = cpu.gemm_pack(w)
+    x = torch.randn(9, 576, generator=g).to(torch.bfloat16)
+    assert set_nta(6) == 6, "the default: calls of up to 6 rows"
+    try:
+        for rows in range(1, 10):
+            xr = x[:rows].contiguous()
+            on = cpu.gemm_linear(xr, packed), cpu.gemm_linear_argmax(xr, packed, 960)
+            assert set_nta(0) == 6
+            off = cpu.gemm_linear(xr, packed), cpu.gemm_linear_argmax(xr, packed, 960)
+            assert set_nta(6) == 0
+            assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1]), f"{rows} rows"
+            assert torch.equal(on[1], on[0].argmax(-1))
+    finally:
+        set_nta(6)
+
+
 @pytest.mark.parametrize("dtype,w_dtype", GEMM_FORMS)
 @pytest.mark.parametrize("rows", [1, 40, 300])
 def test_gemm_linear_silu_mul_is_the_gemm_then_silu_and_mul(ops, rows, dtype, w_dtype):

@@ -1450,6 +1450,16 @@ at::Tensor gemm_trace(bool on) {
 }
 int64_t gemm_tsc() { return static_cast<int64_t>(tsc_now()); }
 
+// bf16 GEMM calls (AVX512-BF16) of at most this many rows, one pass over each weight block, where
+// the weights stream through once, fetch them non-temporally (prefetchnta on each line just before
+// its load, dp_rows): they then do not evict what the rest of the step keeps in L2 and L3 (the
+// K/V, the activations, the host's code and data, which every torch op after a 269 MB pass over the
+// weights fetched from DRAM again: torch.empty 1 -> 40 us). Zen 4, one to four sequences decoding,
+// steps alternating 20 at a time in one process (bench/host_share.py --against-nta-rows 0):
+// 1.03-1.13x a step. At most 6; 0: never. gemm_set_nta_rows sets it and returns the old value.
+std::atomic<int64_t> g_gemm_nta_rows{6};
+int64_t gemm_set_nta_rows(int64_t rows) { return g_gemm_nta_rows.exchange(rows); }
+
 void gemm_test_stall(int64_t thread, int64_t microseconds) {
   TORCH_CHECK(microseconds >= 0 && microseconds <= 1000000, "gemm_test_stall: microseconds must be in [0, 1e6], got ",
               microseconds);
@@ -1556,13 +1566,15 @@ inline __m512 bits_to_f32(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_ep
 // registers, k in order: a row's sums do not depend on R. 6 rows: 24 sums, 4 weight vectors and a
 // broadcast fill the 32 registers; the weight block (72-192 KB at SmolLM2's shapes) comes from L2
 // for every 6 rows after the first.
-template <int R>
+template <int R, bool NTA = false>
 inline void dp_rows(int64_t pairs, const uint32_t* a, int64_t lda, const uint16_t* b, float* c) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* bp = b + p * 2 * kGemmBlockN;
+    if constexpr (NTA)  // the four lines loaded next, non-temporally (g_gemm_nta_rows)
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(bp) + 64 * l, _MM_HINT_NTA);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp), b1 = (__m512bh)_mm512_loadu_si512(bp + 32),
                    b2 = (__m512bh)_mm512_loadu_si512(bp + 64), b3 = (__m512bh)_mm512_loadu_si512(bp + 96);
     for (int r = 0; r < R; ++r) {
@@ -1583,6 +1595,12 @@ inline void dp_gemm(int64_t m, int64_t k, const at::BFloat16* a, int64_t lda, co
   const int64_t pairs = k / 2, lda32 = lda / 2;
   using Rows = void (*)(int64_t, const uint32_t*, int64_t, const uint16_t*, float*);
   static constexpr Rows kRows[] = {nullptr, dp_rows<1>, dp_rows<2>, dp_rows<3>, dp_rows<4>, dp_rows<5>, dp_rows<6>};
+  static constexpr Rows kRowsNta[] = {nullptr,          dp_rows<1, true>, dp_rows<2, true>, dp_rows<3, true>,
+                                      dp_rows<4, true>, dp_rows<5, true>, dp_rows<6, true>};
+  if (m > 0 && m <= std::min<int64_t>(6, g_gemm_nta_rows.load(std::memory_order_relaxed))) {
+    kRowsNta[m](pairs, a32, lda32, b16, c);
+    return;
+  }
   for (int64_t r = 0; r < m; r += 6)
     kRows[std::min<int64_t>(6, m - r)](pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN);
 }
@@ -2413,6 +2431,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def("gemm_steals() -> int", TORCH_FN(gemm_steals));
   m.def("gemm_trace(bool on) -> Tensor", TORCH_FN(gemm_trace));
   m.def("gemm_tsc() -> int", TORCH_FN(gemm_tsc));
+  m.def("gemm_set_nta_rows(int rows) -> int", TORCH_FN(gemm_set_nta_rows));
   m.def("gemm_linear(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
   m.impl("gemm_linear", c10::DispatchKey::CPU, TORCH_FN(gemm_linear));
   m.def("gemm_linear_argmax(Tensor x, Tensor packed, int valid, Tensor(a!) out) -> ()");
