@@ -234,9 +234,9 @@ class ModelRunner:
         for s, st, n in zip(seqs[num_decodes:], starts[num_decodes:], num_new[num_decodes:]):
             input_ids.extend(s.token_ids[st:st + n])
 
-        # The step's index arithmetic in numpy, handed to torch without copies: a torch op on a
-        # handful of ints costs 5-90 us where numpy's costs 1-5 (a one-sequence decode step's
-        # host share: bench/RESULTS.md).
+        # The step's index arithmetic in numpy, handed to torch without copies: in a step a torch
+        # op on a handful of ints cost 5-90 us, numpy's a few (a one-sequence decode step's host
+        # time 724 -> 535 us: bench/RESULTS.md, bench/host_share.py).
         b = len(seqs)
         num_new_n = np.array(num_new, dtype=np.int64)
         starts_n = np.array(starts, dtype=np.int64)

@@ -1454,9 +1454,10 @@ int64_t gemm_tsc() { return static_cast<int64_t>(tsc_now()); }
 // the weights stream through once, fetch them non-temporally (prefetchnta on each line just before
 // its load, dp_rows): they then do not evict what the rest of the step keeps in L2 and L3 (the
 // K/V, the activations, the host's code and data, which every torch op after a 269 MB pass over the
-// weights fetched from DRAM again: torch.empty 1 -> 40 us). Zen 4, one to four sequences decoding,
-// steps alternating 20 at a time in one process (bench/host_share.py --against-nta-rows 0):
-// 1.03-1.13x a step. At most 6; 0: never. gemm_set_nta_rows sets it and returns the old value.
+// weights fetched from DRAM again: torch.empty 1 -> 40 us). Zen 4, steps alternating 20 at a time
+// in one process (bench/host_share.py --against-nta-rows 0): one sequence decoding 1.06-1.13x a
+// step, two 1.00-1.06x, four 1.08x. At most 6; 0: never. gemm_set_nta_rows sets it and returns the
+// old value.
 std::atomic<int64_t> g_gemm_nta_rows{6};
 int64_t gemm_set_nta_rows(int64_t rows) { return g_gemm_nta_rows.exchange(rows); }
 
