@@ -583,15 +583,17 @@ def test_gemm_linear_is_close_to_float64_and_row_count_invariant(ops, n, k, dtyp
         assert torch.equal(cpu.gemm_linear(wide[:, :k], packed), full)
 
 
-def test_gemm_non_temporal_weight_reads_change_no_bits(ops):
-    """bf16 calls of up to 6 rows (by default) read the weights non-temporally; the products are the
-    same with them on or off, at every row count around the limit, the argmax epilogue included."""
-    cpu = _gemm_ops(ops)
+@pytest.mark.parametrize("dtype,w_dtype", GEMM_FORMS)
+def test_gemm_non_temporal_weight_reads_change_no_bits(ops, dtype, w_dtype):
+    """Calls of up to 6 rows (by default) read the weights non-temporally, on the dot-product kernel
+    and the float32 one; the products are the same with them on or off, at every row count around
+    the limit, the argmax epilogue included."""
+    cpu = _gemm_ops(ops, w_dtype)
     set_nta = torch.ops.pagoda_cpu.gemm_set_nta_rows
     g = torch.Generator().manual_seed(6)
-    w = (0.05 * torch.randn(960, 576, generator=g)).to(torch.bfloat16)
+    w = (0.05 * torch.randn(960, 576, generator=g)).to(w_dtype)
     packed = cpu.gemm_pack(w)
-    x = torch.randn(9, 576, generator=g).to(torch.bfloat16)
+    x = torch.randn(9, 576, generator=g).to(dtype)
     assert set_nta(6) == 6, "the default: calls of up to 6 rows"
     try:
         for rows in range(1, 10):

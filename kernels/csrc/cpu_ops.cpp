@@ -1450,14 +1450,14 @@ at::Tensor gemm_trace(bool on) {
 }
 int64_t gemm_tsc() { return static_cast<int64_t>(tsc_now()); }
 
-// bf16 GEMM calls (AVX512-BF16) of at most this many rows, one pass over each weight block, where
-// the weights stream through once, fetch them non-temporally (prefetchnta on each line just before
-// its load, dp_rows): they then do not evict what the rest of the step keeps in L2 and L3 (the
-// K/V, the activations, the host's code and data, which every torch op after a 269 MB pass over the
-// weights fetched from DRAM again: torch.empty 1 -> 40 us). Zen 4, steps alternating 20 at a time
-// in one process (bench/host_share.py --against-nta-rows 0): one sequence decoding 1.06-1.13x a
-// step, two 1.00-1.06x, four 1.08x. At most 6; 0: never. gemm_set_nta_rows sets it and returns the
-// old value.
+// GEMM calls of at most this many rows on dp_rows (bf16, AVX512-BF16) or f32_rows, one pass over
+// each weight block, where the weights stream through once, fetch them non-temporally (prefetchnta
+// on each line just before its load): they then do not evict what the rest of the step keeps in
+// L2 and L3 (the K/V, the activations, the host's code and data, which every torch op after a
+// 269 MB pass over the weights fetched from DRAM again: torch.empty 1 -> 40 us). Zen 4, steps
+// alternating 20 at a time in one process (bench/host_share.py --against-nta-rows 0): one sequence
+// decoding 1.06-1.13x a step, two 1.00-1.06x, four 1.08x; a float32 model, one sequence,
+// 1.04-1.09x. At most 6; 0: never. gemm_set_nta_rows sets it and returns the old value.
 std::atomic<int64_t> g_gemm_nta_rows{6};
 int64_t gemm_set_nta_rows(int64_t rows) { return g_gemm_nta_rows.exchange(rows); }
 
@@ -1613,7 +1613,7 @@ inline void dp_gemm(int64_t m, int64_t k, const at::BFloat16* a, int64_t lda, co
 // (the bf16 dp_rows' shape); each x value is broadcast once per block, not once per 16 columns.
 // W = bf16_t: a bf16 block in the pair layout (gemm_pack_weight), each k's 64 weights two vectors
 // of 32, each widened exactly by a shift (columns 0-15 of the 32) and a mask (16-31).
-template <int R, typename W>
+template <int R, typename W, bool NTA = false>
 inline void f32_rows(int64_t k, const float* a, int64_t lda, const W* b, float* c) {
   __m512 s0[R], s1[R], s2[R], s3[R];
   const float* ar[R];
@@ -1624,6 +1624,9 @@ inline void f32_rows(int64_t k, const float* a, int64_t lda, const W* b, float* 
   }
   for (int64_t p = 0; p < k; ++p) {
     const W* bp = b + p * kGemmPanelF32;
+    if constexpr (NTA)  // the lines loaded next, non-temporally (g_gemm_nta_rows)
+      for (size_t l = 0; l < kGemmPanelF32 * sizeof(W); l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(bp) + l, _MM_HINT_NTA);
     __m512 b0, b1, b2, b3;
     if constexpr (std::is_same_v<W, bf16_t>) {
       const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -1661,7 +1664,7 @@ inline void f32_rows(int64_t k, const float* a, int64_t lda, const W* b, float* 
 // loops unrolled (gcc spilled acc[R][2] to the stack on every k).
 // W = bf16_t: a bf16 panel in the pair layout, each k's 16 weights one vector widened by a shift
 // (columns 0-7) and a mask (8-15).
-template <int R, typename W>
+template <int R, typename W, bool NTA = false>
 inline void f32_rows(int64_t k, const float* a, int64_t lda, const W* b, float* c) {
   __m256 lo[R], hi[R];
   const float* ar[R];
@@ -1672,6 +1675,8 @@ inline void f32_rows(int64_t k, const float* a, int64_t lda, const W* b, float* 
   }
   for (int64_t p = 0; p < k; ++p) {
     __m256 b0, b1;
+    if constexpr (NTA)  // the line loaded next (a bf16 panel's every other k: the same line twice)
+      _mm_prefetch(reinterpret_cast<const char*>(b + p * kGemmPanelF32), _MM_HINT_NTA);
     if constexpr (std::is_same_v<W, bf16_t>) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + p * kGemmPanelF32));
       b0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -1704,6 +1709,14 @@ inline void f32_gemm(int64_t m, int64_t k, const float* a, int64_t lda, const W*
   using Rows = void (*)(int64_t, const float*, int64_t, const W*, float*);
   static constexpr Rows kRows[] = {nullptr,       f32_rows<1, W>, f32_rows<2, W>, f32_rows<3, W>,
                                    f32_rows<4, W>, f32_rows<5, W>, f32_rows<6, W>};
+  static constexpr Rows kRowsNta[] = {nullptr,              f32_rows<1, W, true>, f32_rows<2, W, true>,
+                                      f32_rows<3, W, true>, f32_rows<4, W, true>, f32_rows<5, W, true>,
+                                      f32_rows<6, W, true>};
+  if (m > 0 && m <= std::min<int64_t>(6, g_gemm_nta_rows.load(std::memory_order_relaxed))) {
+    for (int64_t s = 0; s < kGemmBlockN / kGemmPanelF32; ++s)
+      kRowsNta[m](k, a, lda, b + s * k * kGemmPanelF32, c + s * kGemmPanelF32);
+    return;
+  }
   for (int64_t r = 0; r < m; r += 6) {
     const Rows rows = kRows[std::min<int64_t>(6, m - r)];
     for (int64_t s = 0; s < kGemmBlockN / kGemmPanelF32; ++s)
