@@ -1460,6 +1460,10 @@ int64_t gemm_tsc() { return static_cast<int64_t>(tsc_now()); }
 // 1.04-1.09x. At most 6; 0: never. gemm_set_nta_rows sets it and returns the old value.
 std::atomic<int64_t> g_gemm_nta_rows{6};
 int64_t gemm_set_nta_rows(int64_t rows) { return g_gemm_nta_rows.exchange(rows); }
+// Whether a call of m rows reads its weights non-temporally.
+inline bool gemm_reads_nta(int64_t m) {
+  return m <= std::min<int64_t>(6, g_gemm_nta_rows.load(std::memory_order_relaxed));
+}
 
 void gemm_test_stall(int64_t thread, int64_t microseconds) {
   TORCH_CHECK(microseconds >= 0 && microseconds <= 1000000, "gemm_test_stall: microseconds must be in [0, 1e6], got ",
@@ -1598,12 +1602,9 @@ inline void dp_gemm(int64_t m, int64_t k, const at::BFloat16* a, int64_t lda, co
   static constexpr Rows kRows[] = {nullptr, dp_rows<1>, dp_rows<2>, dp_rows<3>, dp_rows<4>, dp_rows<5>, dp_rows<6>};
   static constexpr Rows kRowsNta[] = {nullptr,          dp_rows<1, true>, dp_rows<2, true>, dp_rows<3, true>,
                                       dp_rows<4, true>, dp_rows<5, true>, dp_rows<6, true>};
-  if (m > 0 && m <= std::min<int64_t>(6, g_gemm_nta_rows.load(std::memory_order_relaxed))) {
-    kRowsNta[m](pairs, a32, lda32, b16, c);
-    return;
-  }
+  const Rows* table = gemm_reads_nta(m) ? kRowsNta : kRows;
   for (int64_t r = 0; r < m; r += 6)
-    kRows[std::min<int64_t>(6, m - r)](pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN);
+    table[std::min<int64_t>(6, m - r)](pairs, a32 + r * lda32, lda32, b16, c + r * kGemmBlockN);
 }
 #endif
 
@@ -1712,13 +1713,9 @@ inline void f32_gemm(int64_t m, int64_t k, const float* a, int64_t lda, const W*
   static constexpr Rows kRowsNta[] = {nullptr,              f32_rows<1, W, true>, f32_rows<2, W, true>,
                                       f32_rows<3, W, true>, f32_rows<4, W, true>, f32_rows<5, W, true>,
                                       f32_rows<6, W, true>};
-  if (m > 0 && m <= std::min<int64_t>(6, g_gemm_nta_rows.load(std::memory_order_relaxed))) {
-    for (int64_t s = 0; s < kGemmBlockN / kGemmPanelF32; ++s)
-      kRowsNta[m](k, a, lda, b + s * k * kGemmPanelF32, c + s * kGemmPanelF32);
-    return;
-  }
+  const Rows* table = gemm_reads_nta(m) ? kRowsNta : kRows;
   for (int64_t r = 0; r < m; r += 6) {
-    const Rows rows = kRows[std::min<int64_t>(6, m - r)];
+    const Rows rows = table[std::min<int64_t>(6, m - r)];
     for (int64_t s = 0; s < kGemmBlockN / kGemmPanelF32; ++s)
       rows(k, a + r * lda, lda, b + s * k * kGemmPanelF32, c + r * kGemmBlockN + s * kGemmPanelF32);
   }
