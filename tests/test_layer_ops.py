@@ -606,6 +606,10 @@ def test_gemm_non_temporal_weight_reads_change_no_bits(ops, dtype, w_dtype):
             assert torch.equal(on[1], on[0].argmax(-1))
     finally:
         set_nta(6)
+    for bad in (-1, 7):
+        with pytest.raises(RuntimeError, match=r"rows must be in \[0, 6\]"):
+            set_nta(bad)
+    assert set_nta(6) == 6, "a refused setting changes nothing"
 
 
 @pytest.mark.parametrize("dtype,w_dtype", GEMM_FORMS)

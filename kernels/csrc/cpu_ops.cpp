@@ -1457,9 +1457,12 @@ int64_t gemm_tsc() { return static_cast<int64_t>(tsc_now()); }
 // 269 MB pass over the weights fetched from DRAM again: torch.empty 1 -> 40 us). Zen 4, steps
 // alternating 20 at a time in one process (bench/host_share.py --against-nta-rows 0): one sequence
 // decoding 1.06-1.13x a step, two 1.00-1.06x, four 1.08x; a float32 model, one sequence,
-// 1.04-1.09x. At most 6; 0: never. gemm_set_nta_rows sets it and returns the old value.
+// 1.04-1.09x. 0 to 6; 0: never. gemm_set_nta_rows sets it and returns the old value.
 std::atomic<int64_t> g_gemm_nta_rows{6};
-int64_t gemm_set_nta_rows(int64_t rows) { return g_gemm_nta_rows.exchange(rows); }
+int64_t gemm_set_nta_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0 && rows <= 6, "gemm_set_nta_rows: rows must be in [0, 6] (0: never), got ", rows);
+  return g_gemm_nta_rows.exchange(rows);
+}
 // Whether a call of m rows reads its weights non-temporally.
 inline bool gemm_reads_nta(int64_t m) {
   return m <= std::min<int64_t>(6, g_gemm_nta_rows.load(std::memory_order_relaxed));
