@@ -2,7 +2,8 @@
 and the LM head's argmax (scheduling, the step's input tensors, sampling bookkeeping, detokenizing,
 the request outputs), at N greedy sequences decoding together.
 
-    python bench/host_share.py [--seqs 1] [--tokens 1500] [--against OLD_model_runner.py | --against-nta-rows 0]
+    python bench/host_share.py [--seqs 1] [--tokens 1500]
+                               [--against OLD_model_runner.py | --against-nta-rows 0 | --against-pad-all]
 
 ``--against``: another revision's engine_service/model_runner.py (``git show
 REV:engine_service/model_runner.py > /tmp/old.py``). Its ``ModelRunner.execute`` and this
@@ -11,7 +12,10 @@ checkout's then take turns in the same engine, in blocks of 20 steps, so both se
 share of a step: whole runs in fresh processes cannot resolve it). Prints the median step and host
 time of each. ``--against-nta-rows N``: the turns differ in the GEMMs' non-temporal weight reads
 instead (``torch.ops.pagoda_cpu.gemm_set_nta_rows``: calls of up to N rows; this checkout's
-setting in the other turns). Model loading and the first steps (prefill) are left out.
+setting in the other turns). ``--against-pad-all``: the other turns pad every GEMM input to a
+multiple of ``gemm_row_multiple`` wherever that is over 1, as before ``LlamaForCausalLM.gemm_pad``
+padded only the rows oneDNN multiplies (on a CPU with AMX a one-sequence decode step's 1 row went
+through every layer as 8). Model loading and the first steps (prefill) are left out.
 """
 from __future__ import annotations
 
@@ -47,6 +51,8 @@ def main() -> int:
     against.add_argument("--against", metavar="OLD.py", help="another revision's engine_service/model_runner.py")
     against.add_argument("--against-nta-rows", type=int, metavar="N",
                          help="the other turns with non-temporal weight reads in GEMM calls of up to N rows")
+    against.add_argument("--against-pad-all", action="store_true",
+                         help="the other turns with every GEMM input padded to the model's row multiple")
     args = ap.parse_args()
     if args.seqs < 1 or args.tokens < 2 * BLOCK:
         ap.error(f"--seqs must be >= 1 and --tokens >= {2 * BLOCK}")
@@ -62,14 +68,22 @@ def main() -> int:
     set_nta = torch.ops.pagoda_cpu.gemm_set_nta_rows
     nta = set_nta(0)
     set_nta(nta)
-    # name -> (ModelRunner.execute, the GEMMs' non-temporal rows)
-    impls = {"this checkout": (ModelRunner.execute, nta)}
+    # name -> (ModelRunner.execute, the GEMMs' non-temporal rows, every GEMM input padded)
+    impls = {"this checkout": (ModelRunner.execute, nta, False)}
     if args.against:
-        impls = {args.against: (load_runner_module(args.against).ModelRunner.execute, nta), **impls}
+        impls = {args.against: (load_runner_module(args.against).ModelRunner.execute, nta, False), **impls}
     elif args.against_nta_rows is not None:
-        impls = {f"nta rows {args.against_nta_rows}": (ModelRunner.execute, args.against_nta_rows),
+        impls = {f"nta rows {args.against_nta_rows}": (ModelRunner.execute, args.against_nta_rows, False),
                  f"this checkout (nta rows {nta})": impls["this checkout"]}
+    elif args.against_pad_all:
+        impls = {"every GEMM input padded": (ModelRunner.execute, nta, True), **impls}
     runner, model = engine.runner, engine.runner.model
+    if args.against_pad_all and model.gemm_row_multiple == 1:
+        print("this model pads no GEMM input here (gemm_row_multiple 1): nothing to compare")
+        return 1
+
+    def pad_all(rows, lm_head=False):
+        return -rows % model.gemm_row_multiple
 
     inside = [0.0]  # seconds of this step in the forward and the LM head
 
@@ -95,9 +109,13 @@ def main() -> int:
     k = 0
     while engine.has_unfinished_requests():
         name = names[(k // BLOCK) % len(names)]
-        execute, rows = impls[name]
+        execute, rows, padded = impls[name]
         runner.execute = types.MethodType(execute, runner)
         set_nta(rows)
+        if padded:
+            model.gemm_pad = pad_all
+        else:
+            model.__dict__.pop("gemm_pad", None)  # the class's own
         inside[0] = 0.0
         t = time.perf_counter()
         engine.step()

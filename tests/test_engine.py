@@ -236,10 +236,12 @@ def test_output_kinds_hand_out_the_same_completion(tiny_llama_dir, prompts, refe
 
 @pytest.mark.parametrize("onednn", [False, True], ids=["host-default", "onednn"])
 def test_gemm_rows_are_padded_only_where_onednn_multiplies(tiny_llama_dir, prompts, onednn):
-    """oneDNN builds a primitive per row count, so where it multiplies any of the model's GEMMs a
-    step's rows are padded to a multiple of 8; Pagoda's GEMMs take any row count, so where they
-    multiply every GEMM a step runs its rows as they are (a decode step of 3 sequences: 3 rows, not
-    8). Forcing oneDNN (``cpu_bf16_gemm`` and ``cpu_f32_gemm`` off) pads wherever it is available."""
+    """oneDNN builds a primitive per row count, so where it multiplies a step's GEMMs their rows
+    are padded to a multiple of 8; Pagoda's GEMMs take any row count, so where they multiply a
+    step's GEMMs it runs its rows as they are (a decode step of 3 sequences: 3 rows, not 8): on a
+    CPU with AMX too, where oneDNN takes only the layers' GEMMs past ``gemm_max_rows`` rows (with
+    the limit lowered to 2 the 3 rows are padded). Forcing oneDNN (``cpu_bf16_gemm`` and
+    ``cpu_f32_gemm`` off) pads wherever it is available."""
     from engine_service.models.llama import Linear
 
     opts = {"cpu_bf16_gemm": False, "cpu_f32_gemm": False} if onednn else {}
@@ -249,16 +251,29 @@ def test_gemm_rows_are_padded_only_where_onednn_multiplies(tiny_llama_dir, promp
                    or any(isinstance(m, Linear) and m.packed_weight is not None for m in model.modules()))
     if onednn and not uses_onednn:
         pytest.skip("oneDNN's packed GEMM is not available in this torch build")
-    rows = []
-    hook = model.embed_tokens.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[0]))
-    try:
-        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        out = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], greedy, use_tqdm=False)
-    finally:
-        hook.remove()
-    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
-    decode_rows = rows[-3:]  # the last three steps decode the three sequences together
-    assert decode_rows == ([8] * 3 if uses_onednn else [3] * 3), rows
+
+    def decode_rows() -> list[int]:
+        rows = []
+        hook = model.embed_tokens.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[0]))
+        try:
+            greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+            out = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], greedy, use_tqdm=False)
+        finally:
+            hook.remove()
+        assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+        return rows[-3:]  # the last three steps decode the three sequences together
+
+    runner = llm.llm_engine.runner
+    ours = runner.bf16_gemm or runner.f32_gemm  # (no AVX2: oneDNN multiplies everything)
+    assert decode_rows() == ([3] * 3 if ours else [8] * 3 if uses_onednn else [3] * 3)
+    ops = runner.layer_ops
+    if ours and ops.gemm_max_rows is not None and uses_onednn:  # AMX: past the limit, oneDNN's
+        limit = ops.gemm_max_rows
+        ops.gemm_max_rows = 2
+        try:
+            assert decode_rows() == [8] * 3
+        finally:
+            ops.gemm_max_rows = limit
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -718,8 +733,8 @@ def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir
     llm = LLM(tiny_llama_dir if model == "tiny" else bundled_dir, dtype=dtype, max_num_batched_tokens=40,
               num_speculative_tokens=3, max_model_len=512, seed=0, enable_prefix_caching=False, **forced)
     runner = llm.llm_engine.runner
-    if pad:
-        runner.model.gemm_row_multiple = pad
+    if pad:  # every GEMM input padded, whoever multiplies it
+        runner.model.gemm_pad = lambda rows, lm_head=False: -rows % pad
     if forced:
         if not runner.layer_ops.f32_gemm:
             pytest.skip("this CPU has no AVX2 and FMA: no float32 GEMM of ours to force")

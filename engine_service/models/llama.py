@@ -285,12 +285,17 @@ class LlamaForCausalLM(nn.Module):
         # pack_gemm_weights(float32_kernel=True): the tied LM head's bf16 weight on our float32 kernel
         self.tied_lm_head_gemm: torch.Tensor | None = None
         self.gemm_ops = None
-        # GEMM inputs are padded with rows up to a multiple of this (pack_weights sets 8 where oneDNN
-        # multiplies any of them): oneDNN builds a primitive per row count on first use (~2 ms per
-        # weight shape on a 2-core Xeon), and as requests finish nearly every decode step has a new
-        # count (~10 ms a step before this). Pagoda's GEMMs take any row count as it is: padding
-        # them only adds rows to multiply (a one-sequence step's 1 row became 8).
+        # GEMM inputs that oneDNN multiplies are padded with rows up to a multiple of this
+        # (pack_weights sets 8 where it multiplies any of them; gemm_pad): oneDNN builds a primitive
+        # per row count on first use (~2 ms per weight shape on a 2-core Xeon), and as requests
+        # finish nearly every decode step has a new count (~10 ms a step before this). Pagoda's
+        # GEMMs take any row count as it is: padding them only adds rows to multiply (a
+        # one-sequence step's 1 row became 8).
         self.gemm_row_multiple = 1
+        # A layer Linear packed for oneDNN (pack_weights): one without a weight for our GEMMs where
+        # there is one, else one that has both; the layers' GEMMs take oneDNN at the row counts
+        # where it does (Linear.takes_gemm). None: no layer GEMM runs on oneDNN.
+        self.onednn_layer_linear: Linear | None = None
         # The decoder layers' weights for ops.decoder_layers (build_layer_stack): forward then runs
         # them in one C++ call instead of layer by layer from Python. None: the Python layers.
         self.layer_stack: list[torch.Tensor] | None = None
@@ -309,7 +314,7 @@ class LlamaForCausalLM(nn.Module):
         row-wise."""
         ops = ops or TorchLayerOps()
         t = input_ids.shape[0]
-        pad = -t % self.gemm_row_multiple
+        pad = self.gemm_pad(t)
         if pad:  # padding rows: token 0 at position 0, dropped again by the caller
             input_ids = F.pad(input_ids, (0, pad))
             positions = F.pad(positions, (0, pad))
@@ -382,10 +387,26 @@ class LlamaForCausalLM(nn.Module):
         self.layer_stack = weights
         return True
 
+    def gemm_pad(self, rows: int, lm_head: bool = False) -> int:
+        """Rows to add to a GEMM input of ``rows`` rows (the layers', or with ``lm_head`` the LM
+        head's): up to a multiple of ``gemm_row_multiple`` where oneDNN multiplies that many, none
+        where Pagoda's GEMMs do (on a CPU with AMX the layers' GEMMs up to ``gemm_max_rows`` rows,
+        the LM head at any count; everywhere else all of them or none)."""
+        if self.gemm_row_multiple == 1 or not rows % self.gemm_row_multiple:
+            return 0
+        if lm_head:
+            head = None if self.tie_word_embeddings else self.lm_head
+            onednn = (self.tied_lm_head_packed is not None if head is None
+                      else head.packed_weight is not None and not head.takes_gemm(rows))
+        else:
+            linear = self.onednn_layer_linear
+            onednn = linear is not None and not linear.takes_gemm(rows)
+        return -rows % self.gemm_row_multiple if onednn else 0
+
     def kept_rows(self, rows: torch.Tensor, meta: AttentionMetadata) -> KeptRows:
         """``KeptRows`` for the ascending row indices ``rows`` (see there)."""
         m = rows.shape[0]
-        pad = -m % self.gemm_row_multiple
+        pad = self.gemm_pad(m)
         index = F.pad(rows, (0, pad)) if pad else rows  # padding rows repeat row 0, dropped after
         return KeptRows(rows, index, meta)
 
@@ -394,7 +415,7 @@ class LlamaForCausalLM(nn.Module):
         A wider weight's output is rounded to the model dtype first, as a bf16 LM head's output
         is (greedy ties break alike)."""
         n = hidden.shape[0]
-        pad = -n % self.gemm_row_multiple
+        pad = self.gemm_pad(n, lm_head=True)
         if pad:
             hidden = F.pad(hidden, (0, 0, 0, pad))
         if not self.tie_word_embeddings:
@@ -478,6 +499,8 @@ class LlamaForCausalLM(nn.Module):
         packed = all([m.pack(batch_hint) for m in linears])
         if packed and (linears or self.tied_lm_head_packed is not None):
             self.gemm_row_multiple = 8
+            in_layers = [m for m in self.layers.modules() if isinstance(m, Linear) and m.packed_weight is not None]
+            self.onednn_layer_linear = min(in_layers, key=lambda m: m.gemm_weight is not None, default=None)
         return packed
 
     def set_matmul_dtype(self, dtype: torch.dtype) -> None:
