@@ -164,8 +164,9 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     q [B, H, D] contiguous; key_cache / value_cache [num_blocks, block_size, kv_heads, D] (head_dim
     contiguous); block_tables [B, max_blocks] int32; seq_lens [B] int32, the context length including
     the current token (whose K/V is already in the cache). H must be a multiple of kv_heads; D a
-    multiple of 16; float32, bfloat16 or float16. Returns [B, H, D] in q's dtype (``out`` if given).
-    Accumulation is in float32. A sequence of length 0 gets zeros.
+    multiple of 16; float32, bfloat16 or float16, or bfloat16 q with float8_e5m2 caches (one byte a
+    value, where ``decode_supports_f8``; subnormal values read as zero). Returns [B, H, D] in q's dtype
+    (``out`` if given). Accumulation is in float32. A sequence of length 0 gets zeros.
     """
     op = _op if _op is not None else load_extension()
     block_tables, seq_lens = _int32(block_tables, contiguous=False), _int32(seq_lens)
@@ -173,6 +174,13 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     op(q, key_cache, value_cache, block_tables, seq_lens, float(scale), out, torch.get_num_threads())
     return out
+
+
+def decode_supports_f8() -> bool:
+    """Whether this host's build of the decode kernel reads float8_e5m2 caches (bf16 queries; a CPU
+    with AVX512-BF16)."""
+    load_extension()
+    return bool(torch.ops.pagoda_cpu.decode_supports_f8())
 
 
 def prefill_supported(dtype: torch.dtype) -> bool:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pagoda_kernels.attention import AttentionMetadata, TorchAttention, write_kv
-from pagoda_kernels.cpu_attention import (CpuAttention, build_cpu_flags, load_extension, paged_decode_attention,
-                                          paged_prefill_attention, prefill_supported)
+from pagoda_kernels.cpu_attention import (CpuAttention, build_cpu_flags, decode_supports_f8, load_extension,
+                                          paged_decode_attention, paged_prefill_attention, prefill_supported)
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
        torch.float16: dict(rtol=2e-3, atol=2e-3)}
@@ -239,6 +239,64 @@ def test_bad_arguments_raise():
         paged_decode_attention(q[:, :3].contiguous(), kc, vc, bt, sl, 0.125)
     with pytest.raises(RuntimeError, match="dtype"):
         paged_decode_attention(q.bfloat16(), kc, vc, bt, sl, 0.125)
+
+
+def e5m2_values(cache: torch.Tensor) -> torch.Tensor:
+    """A float8_e5m2 cache's values as the decode kernel reads them, in bf16: subnormal codes as zero
+    (infinities and NaNs stay, so a read of a poisoned slot still shows)."""
+    subnormal = (cache.view(torch.uint8) & 0x7C) == 0
+    return cache.to(torch.bfloat16).masked_fill(subnormal, 0.0)
+
+
+F8_SHAPES = [(9, 3, 64), (4, 4, 64), (12, 1, 64), (8, 2, 128), (4, 2, 80)]
+
+
+@pytest.mark.parametrize("h,kvh,d", F8_SHAPES, ids=[f"{h}x{kvh}x{d}" for h, kvh, d in F8_SHAPES])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_one_byte_cache_gives_the_bits_of_a_bf16_cache_of_its_values(op, h, kvh, d, num_threads):
+    """bf16 queries on float8_e5m2 caches (vLLM's ``kv_cache_dtype="fp8_e5m2"``: one byte a value)
+    give bitwise what the bf16 kernel gives on bf16 caches holding the codes' values (subnormal
+    codes read as zero): every span path (SmolLM2's paired tokens with all kv heads' queries in
+    registers, one token a vector, head_dim 128 and 80 with its half-width chunk, more query heads
+    than a pass takes), split contexts, a speculative step's grouped rows and the poisoned slots a
+    wrong read would bring in. Where the build has no vdpbf16ps the op refuses such caches."""
+    q, kc, vc, bt, sl = make_inputs(LENS + [3000, 0, 1500], h, kvh, d, 16, torch.bfloat16, seed=h + d)
+    kc8, vc8 = kc.to(torch.float8_e5m2), vc.to(torch.float8_e5m2)
+    kc8.view(torch.uint8)[0, 0, 0, :4] = torch.tensor([0x01, 0x82, 0x03, 0x00], dtype=torch.uint8)  # subnormals
+    out = torch.empty_like(q)
+    if not decode_supports_f8():
+        with pytest.raises(RuntimeError, match="float8_e5m2 cache needs a CPU with AVX512-BF16"):
+            op(q, kc8, vc8, bt, sl, 0.125, out, num_threads)
+        return
+    op(q, kc8, vc8, bt, sl, 0.125, out, num_threads)
+    want = torch.empty_like(q)
+    kv = e5m2_values(kc8), e5m2_values(vc8)
+    op(q, *kv, bt, sl, 0.125, want, num_threads)
+    assert not want.isnan().any()
+    assert torch.equal(out, want)
+    torch.testing.assert_close(out.double(), reference(q, *kv, bt, sl, 0.125), **TOL[torch.bfloat16])
+    # A speculative step's rows, grouped into one item, and each row alone.
+    qs, kcs, vcs, bts, sls = speculative_rows([1, 30, 63, 100], 3, 16, torch.bfloat16, seed=d)
+    kcs8, vcs8 = kcs.to(torch.float8_e5m2), vcs.to(torch.float8_e5m2)
+    grouped, alone = torch.empty_like(qs), torch.empty_like(qs)
+    op(qs, kcs8, vcs8, bts, sls, 0.125, grouped, num_threads)
+    for i in range(qs.shape[0]):
+        op(qs[i:i + 1], kcs8, vcs8, bts[i:i + 1], sls[i:i + 1], 0.125, alone[i:i + 1], num_threads)
+    op(qs, e5m2_values(kcs8), e5m2_values(vcs8), bts, sls, 0.125, want := torch.empty_like(qs), num_threads)
+    assert torch.equal(grouped, alone) and torch.equal(grouped, want)
+
+
+def test_one_byte_cache_arguments(op):
+    """A float8_e5m2 cache takes bf16 queries only, both caches in it; the prefill kernel takes
+    none. Each refusal names what it wants."""
+    q, kc, vc, bt, sl = make_inputs([20, 3], 9, 3, 64, 16, torch.bfloat16, seed=2)
+    kc8, vc8 = kc.to(torch.float8_e5m2), vc.to(torch.float8_e5m2)
+    with pytest.raises(RuntimeError, match="takes bfloat16 q, got Float"):
+        paged_decode_attention(q.float(), kc8, vc8, bt, sl, 0.125)
+    with pytest.raises(RuntimeError, match="key_cache and value_cache must share a dtype"):
+        paged_decode_attention(q, kc8, vc, bt, sl, 0.125)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        paged_prefill_attention(q, kc8, vc8, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 0.125)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

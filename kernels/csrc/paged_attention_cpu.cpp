@@ -89,6 +89,9 @@ constexpr float kExp2Poly[8] = {1.5252733804059841e-05f, 1.5403530393381606e-04f
 // Storage tags for the 16-bit types (raw bits).
 using pagoda::bf16_t;
 struct f16_t { uint16_t x; };
+// A one-byte K/V cache element (torch.float8_e5m2: sign, 5 exponent bits, 2 mantissa bits, the top
+// byte of a float16), read by the bf16 decode kernel where it has vdpbf16ps (f8_words).
+struct f8e5m2_t { uint8_t x; };
 
 inline float to_float(float v) { return v; }
 inline float to_float(bf16_t v) { return pagoda::bf16_to_float(v); }
@@ -332,6 +335,55 @@ inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #define PAGODA_INLINE inline
 #endif
 
+#if PAGODA_DPBF16
+// e5m2 codes as bf16 words of their values times 2^-112 (kF8Scale), in three integer ops on the
+// codes' float16 bits (code << 8): an arithmetic shift right by 3 moves the sign, 5 exponent bits
+// and 2 mantissa bits to bf16's places, and clearing bits 12-14 (copies of the sign) leaves the
+// exponent field at the code's own, without bf16's larger bias. Subnormal codes land in bf16's
+// subnormal range and read as zero (vdpbf16ps treats subnormal inputs as zero), infinities and NaNs
+// as finite values: the decode kernel on a one-byte cache gives bitwise what it gives on a bf16
+// cache holding the codes' values with subnormals flushed (tests/test_cpu_attention.py), for queries
+// below 2^16 in magnitude. The queries and the probabilities P are scaled by 2^112 to make up for it
+// (f8_scale_query, f8_scale_p): exponent adds, exact, and a product of a scaled pair is the product
+// of the unscaled ones, so the scores and P @ V are the same bits.
+constexpr int kF8ExpShift = 112;  // 127 - 15: bf16's exponent bias less e5m2's
+PAGODA_INLINE __m512i f8_words(__m512i code_hi) {
+  return _mm512_and_si512(_mm512_srai_epi16(code_hi, 3), _mm512_set1_epi16(static_cast<short>(0x8FFF)));
+}
+PAGODA_INLINE __m256i f8_words(__m256i code_hi) {
+  return _mm256_and_si256(_mm256_srai_epi16(code_hi, 3), _mm256_set1_epi16(static_cast<short>(0x8FFF)));
+}
+// 32 codes -> 32 words.
+PAGODA_INLINE __m512i f8_load32(const uint8_t* p) {
+  return f8_words(_mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 8));
+}
+// 16 codes at p0 and 16 at p1 -> 16 words each, in the low and the high half.
+PAGODA_INLINE __m512i f8_load16x2(const uint8_t* p0, const uint8_t* p1) {
+  const __m256i b = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
+  return f8_words(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
+}
+// 16 codes -> 16 words.
+PAGODA_INLINE __m256i f8_load16(const uint8_t* p) {
+  return f8_words(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8));
+}
+// bf16 words with a nonzero exponent field times 2^112; subnormal words (zero to vdpbf16ps) as they
+// are. P lies in [0, 1], so its exponent field stays below 255.
+PAGODA_INLINE __m512i f8_scale_p(__m512i w) {
+  const __mmask32 normal = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x7F80));
+  return _mm512_mask_add_epi16(w, normal, w, _mm512_set1_epi16(kF8ExpShift << 7));
+}
+// A query element times 2^112, with vdpbf16ps's view of it kept: a subnormal one stays zero, and
+// one at or above 2^16 in magnitude (never a real query) saturates at bf16's largest finite value.
+inline bf16_t f8_scale_query(bf16_t q) {
+  const uint16_t u = q.x, exp = (u >> 7) & 0xFF, sign = u & 0x8000;
+  if (exp == 0) return bf16_t{sign};
+  if (exp + kF8ExpShift >= 255) return bf16_t{static_cast<uint16_t>(sign | 0x7F7F)};
+  return bf16_t{static_cast<uint16_t>(u + (kF8ExpShift << 7))};
+}
+#endif
+
 // Software prefetch of one row into L2, a line at a time. Measured on Zen 4 (one core, reading 6 KB
 // blocks at random places, no arithmetic): L2 prefetches spread over the reads stream ~17 GB/s, L1
 // prefetches ~12, none ~10 (the hardware prefetchers do not follow into a random next block).
@@ -412,13 +464,16 @@ PAGODA_INLINE float softmax_span(V16* s, int n, float qscale, float& m, V16& lsu
 // NKV > 0 (bf16 with vdpbf16ps, DT > 0): the call covers exactly NKV kv heads, whose NKV x NH
 // queries are held in registers for the whole span (with a runtime kv-head count they were reloaded
 // for every token: a store to tmp may alias them). SmolLM2 shapes, one core, from L2: 1.07x.
-template <typename T, int NH, int DT, int NKV>
+//
+// F8: the K rows are e5m2 codes (f8e5m2_t; T is bf16, qraw scaled by 2^112: f8_words).
+template <typename T, int NH, int DT, int NKV, bool F8 = false>
 PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw, V16* tmp) {
   const int D = DT ? DT : A.D;
   const int n = A.n, nkv = A.nkv, g = A.g;
-  const T* const* krow = reinterpret_cast<const T* const*>(A.krow);
-  const T* const* kpf = reinterpret_cast<const T* const*>(A.kpf);
 #if PAGODA_DPBF16
+  using CE = std::conditional_t<F8, uint8_t, bf16_t>;  // a cache element as the bf16 paths read it
+  [[maybe_unused]] const CE* const* krc = reinterpret_cast<const CE* const*>(A.krow);
+  [[maybe_unused]] const CE* const* kpc = reinterpret_cast<const CE* const*>(A.kpf);
   if constexpr (std::is_same_v<T, bf16_t> && NKV > 0) {
     // Two tokens a vector: the low 256 bits hold token t's part of a chunk, the high token t + 1's,
     // against the queries' chunk in both halves, so a token's products land in 8 lanes, not 16, and
@@ -437,22 +492,26 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
     for (int p = 0; p < npairs; ++p) {
       const int t = 2 * p;
       const bool two = t + 1 < n;
-      const bf16_t* kr0 = krow[t];
-      const bf16_t* kr1 = two ? krow[t + 1] : kr0;  // an odd span's last lane group repeats token t (masked)
-      const bf16_t* pf0 = kpf ? kpf[t] : nullptr;
-      const bf16_t* pf1 = kpf && two ? kpf[t + 1] : nullptr;
+      const CE* kr0 = krc[t];
+      const CE* kr1 = two ? krc[t + 1] : kr0;  // an odd span's last lane group repeats token t (masked)
+      const CE* pf0 = kpc ? kpc[t] : nullptr;
+      const CE* pf1 = kpc && two ? kpc[t + 1] : nullptr;
 #pragma GCC unroll 16
       for (int kh = 0; kh < NKV; ++kh) {
         if (pf0) prefetch_range_l2(pf0 + kh * A.ks2, A.pf_bytes);
         if (pf1) prefetch_range_l2(pf1 + kh * A.ks2, A.pf_bytes);
-        const bf16_t* kp0 = kr0 + kh * A.ks2;
-        const bf16_t* kp1 = kr1 + kh * A.ks2;
+        const CE* kp0 = kr0 + kh * A.ks2;
+        const CE* kp1 = kr1 + kh * A.ks2;
         __m512 part[NH];
         for (int j = 0; j < NH; ++j) part[j] = _mm512_setzero_ps();
         for (int c = 0; c < NQ; ++c) {
-          const __m512bh kv = (__m512bh)_mm512_inserti64x4(
-              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp0 + c * 16))),
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp1 + c * 16)), 1);
+          __m512bh kv;
+          if constexpr (F8)
+            kv = (__m512bh)f8_load16x2(kp0 + c * 16, kp1 + c * 16);
+          else
+            kv = (__m512bh)_mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp0 + c * 16))),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp1 + c * 16)), 1);
           for (int j = 0; j < NH; ++j) part[j] = _mm512_dpbf16_ps(part[j], qd[kh][j][c], kv);
         }
         for (int j = 0; j < NH; ++j) tmp[(kh * NH + j) * kSpan + p].v = part[j];
@@ -463,7 +522,40 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
       for (int p = npairs; p < nfill; ++p) tmp[r * kSpan + p] = vzero();
     return;
   }
+  if constexpr (F8) {  // one token a vector, as the bf16 path below
+    static_assert(std::is_same_v<T, bf16_t>, "a one-byte cache is read with bf16 queries");
+    (void)qf;
+    const int nc = D / 32;
+    for (int t = 0; t < n; ++t) {
+      for (int kh = 0; kh < nkv; ++kh) {
+        if (kpc && kpc[t]) prefetch_range_l2(kpc[t] + kh * A.ks2, A.pf_bytes);
+        const uint8_t* kp = krc[t] + kh * A.ks2;
+        const bf16_t* qh = qraw + static_cast<size_t>(kh) * g * D;
+        __m512 part[NH];
+        for (int j = 0; j < NH; ++j) part[j] = _mm512_setzero_ps();
+        for (int c = 0; c < nc; ++c) {
+          const __m512bh kv = (__m512bh)f8_load32(kp + c * 32);
+          for (int j = 0; j < NH; ++j)
+            part[j] = _mm512_dpbf16_ps(part[j], (__m512bh)_mm512_loadu_si512(qh + j * D + c * 32), kv);
+        }
+        if (D % 32) {  // D % 32 == 16: one half-width chunk
+          const __m512bh kv = (__m512bh)_mm512_zextsi256_si512(f8_load16(kp + nc * 32));
+          for (int j = 0; j < NH; ++j)
+            part[j] = _mm512_dpbf16_ps(part[j], (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, qh + j * D + nc * 32), kv);
+        }
+        for (int j = 0; j < NH; ++j) tmp[(kh * NH + j) * kSpan + t].v = part[j];
+      }
+    }
+    const int nfill = n <= kTile ? kTile : kSpan;
+    for (int r = 0; r < nkv * NH; ++r)
+      for (int t = n; t < nfill; ++t) tmp[r * kSpan + t] = vzero();
+    return;
+  }
+#else
+  static_assert(!F8, "a one-byte cache needs vdpbf16ps");
 #endif
+  const T* const* krow = reinterpret_cast<const T* const*>(A.krow);
+  const T* const* kpf = reinterpret_cast<const T* const*>(A.kpf);
   for (int t = 0; t < n; ++t) {
     for (int kh = 0; kh < nkv; ++kh) {
       if (kpf && kpf[t]) prefetch_range_l2(kpf[t] + kh * A.ks2, A.pf_bytes);
@@ -575,16 +667,20 @@ void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, 
 // 16 dims. The interleave permutes head_dim within each 32-wide chunk: accumulator lane i of the low
 // half holds d = 8 (i / 4) + i % 4, of the high half d = 8 (i / 4) + 4 + i % 4 (acc_perm_index); a
 // trailing 16-wide chunk (D % 32 == 16) stays in natural order.
-template <int NH, int DT, int NKV>
+//
+// F8: the cache holds e5m2 codes, read as bf16 words of their values times 2^-112 (f8_words), with
+// qraw scaled by 2^112 (run_item) and P scaled here: the same bits as a bf16 cache of their values.
+template <int NH, int DT, int NKV, bool F8 = false>
 void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, float* acc, float* m, V16* lsum,
                       V16* tmp) {
+  using CE = std::conditional_t<F8, uint8_t, bf16_t>;
   const int D = DT ? DT : A.D;
   const int nc = D / 32;
   const bool tail = (D % 32) != 0;
   const int n = A.n, g = A.g;
-  const bf16_t* const* vrow = reinterpret_cast<const bf16_t* const*>(A.vrow);
-  const bf16_t* const* vpf = reinterpret_cast<const bf16_t* const*>(A.vpf);
-  span_scores<bf16_t, NH, DT, NKV>(A, qf, qraw, tmp);
+  const CE* const* vrow = reinterpret_cast<const CE* const*>(A.vrow);
+  const CE* const* vpf = reinterpret_cast<const CE* const*>(A.vpf);
+  span_scores<bf16_t, NH, DT, NKV, F8>(A, qf, qraw, tmp);
   const int npairs = (n + 1) / 2;
   const bool odd = n & 1;
   for (int kh = 0; kh < (NKV ? NKV : A.nkv); ++kh) {
@@ -602,7 +698,8 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
       }
       V16 e[2];
       alpha[j] = softmax_span(s, n, A.qscale, m[kh * g + j], lsum[kh * g + j], e);
-      _mm512_store_si512(p16[j], (__m512i)_mm512_cvtne2ps_pbh(e[1].v, e[0].v));
+      const __m512i pw = (__m512i)_mm512_cvtne2ps_pbh(e[1].v, e[0].v);
+      _mm512_store_si512(p16[j], F8 ? f8_scale_p(pw) : pw);
     }
     float* acch = acc + static_cast<size_t>(kh) * g * D;
     const int64_t vo = kh * A.vs2;
@@ -630,8 +727,12 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
         for (int j = 0; j < NH; ++j)
           pw[j] = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(p16[j])[tp]);
         for (int w = 0; w < CW; ++w) {
-          const __m512i a = _mm512_loadu_si512(vrow[2 * tp] + vo + (c0 + w) * 32);
-          const __m512i b = LAST ? _mm512_setzero_si512() : _mm512_loadu_si512(vrow[2 * tp + 1] + vo + (c0 + w) * 32);
+          const auto load = [](const CE* p) __attribute__((always_inline)) {
+            if constexpr (F8) return f8_load32(p);
+            else return _mm512_loadu_si512(p);
+          };
+          const __m512i a = load(vrow[2 * tp] + vo + (c0 + w) * 32);
+          const __m512i b = LAST ? _mm512_setzero_si512() : load(vrow[2 * tp + 1] + vo + (c0 + w) * 32);
           const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b);
           const __m512bh vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
           for (int j = 0; j < NH; ++j) {
@@ -655,11 +756,13 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
       __m512 a16[NH];
       for (int j = 0; j < NH; ++j)
         a16[j] = _mm512_mul_ps(_mm512_loadu_ps(acch + j * D + nc * 32), _mm512_set1_ps(alpha[j]));
+      const auto load16 = [](const CE* p) __attribute__((always_inline)) {
+        if constexpr (F8) return f8_load16(p);
+        else return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      };
       for (int tp = 0; tp < npairs; ++tp) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * tp] + vo + nc * 32));
-        const __m256i b = (odd && tp == npairs - 1)
-                              ? _mm256_setzero_si256()
-                              : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * tp + 1] + vo + nc * 32));
+        const __m256i a = load16(vrow[2 * tp] + vo + nc * 32);
+        const __m256i b = (odd && tp == npairs - 1) ? _mm256_setzero_si256() : load16(vrow[2 * tp + 1] + vo + nc * 32);
         const __m512bh v =
             (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
         for (int j = 0; j < NH; ++j) {
@@ -683,51 +786,57 @@ inline int acc_perm_index(int d, int D, bool permuted) {
 template <typename T>
 using SpanFn = void (*)(const SpanArgs&, const float*, const T*, float*, float*, V16*, V16*);
 
-template <typename T, int DT>
+// F8: for a one-byte cache (f8e5m2_t; bf16 queries, vdpbf16ps builds only).
+template <typename T, int DT, bool F8 = false>
 SpanFn<T> span_fn_d(int nh) {
 #if PAGODA_DPBF16
   if constexpr (std::is_same_v<T, bf16_t>) {
     switch (nh) {
-      case 1: return attend_span_bf16<1, DT, 0>;
-      case 2: return attend_span_bf16<2, DT, 0>;
-      case 3: return attend_span_bf16<3, DT, 0>;
-      case 4: return attend_span_bf16<4, DT, 0>;
-      case 5: return attend_span_bf16<5, DT, 0>;
-      case 6: return attend_span_bf16<6, DT, 0>;
-      case 7: return attend_span_bf16<7, DT, 0>;
-      default: return attend_span_bf16<8, DT, 0>;
+      case 1: return attend_span_bf16<1, DT, 0, F8>;
+      case 2: return attend_span_bf16<2, DT, 0, F8>;
+      case 3: return attend_span_bf16<3, DT, 0, F8>;
+      case 4: return attend_span_bf16<4, DT, 0, F8>;
+      case 5: return attend_span_bf16<5, DT, 0, F8>;
+      case 6: return attend_span_bf16<6, DT, 0, F8>;
+      case 7: return attend_span_bf16<7, DT, 0, F8>;
+      default: return attend_span_bf16<8, DT, 0, F8>;
     }
   }
 #endif
-  switch (nh) {
-    case 1: return attend_span<T, 1, DT>;
-    case 2: return attend_span<T, 2, DT>;
-    case 3: return attend_span<T, 3, DT>;
-    case 4: return attend_span<T, 4, DT>;
-    case 5: return attend_span<T, 5, DT>;
-    case 6: return attend_span<T, 6, DT>;
-    case 7: return attend_span<T, 7, DT>;
-    default: return attend_span<T, 8, DT>;
+  if constexpr (F8) {  // (only vdpbf16ps builds instantiate it, with bf16 queries: returned above)
+    (void)nh;
+    return nullptr;
+  } else {
+    switch (nh) {
+      case 1: return attend_span<T, 1, DT>;
+      case 2: return attend_span<T, 2, DT>;
+      case 3: return attend_span<T, 3, DT>;
+      case 4: return attend_span<T, 4, DT>;
+      case 5: return attend_span<T, 5, DT>;
+      case 6: return attend_span<T, 6, DT>;
+      case 7: return attend_span<T, 7, DT>;
+      default: return attend_span<T, 8, DT>;
+    }
   }
 }
 
 // The span function for nh heads over nkv kv heads a call; head_dim 64 and 128 get compile-time
 // specialisations, and bf16 with head_dim 64 one with the queries in registers for a full group
 // (nkv = kMaxGroupHeads / nh).
-template <typename T>
+template <typename T, bool F8 = false>
 SpanFn<T> span_fn(int nh, int D, int nkv) {
 #if PAGODA_DPBF16
   if constexpr (std::is_same_v<T, bf16_t>) {
     if (D == 64 && nkv == kMaxGroupHeads / nh) {
       switch (nh) {
-        case 1: return attend_span_bf16<1, 64, kMaxGroupHeads / 1>;
-        case 2: return attend_span_bf16<2, 64, kMaxGroupHeads / 2>;
-        case 3: return attend_span_bf16<3, 64, kMaxGroupHeads / 3>;
-        case 4: return attend_span_bf16<4, 64, kMaxGroupHeads / 4>;
-        case 5: return attend_span_bf16<5, 64, kMaxGroupHeads / 5>;
-        case 6: return attend_span_bf16<6, 64, kMaxGroupHeads / 6>;
-        case 7: return attend_span_bf16<7, 64, kMaxGroupHeads / 7>;
-        case 8: return attend_span_bf16<8, 64, kMaxGroupHeads / 8>;
+        case 1: return attend_span_bf16<1, 64, kMaxGroupHeads / 1, F8>;
+        case 2: return attend_span_bf16<2, 64, kMaxGroupHeads / 2, F8>;
+        case 3: return attend_span_bf16<3, 64, kMaxGroupHeads / 3, F8>;
+        case 4: return attend_span_bf16<4, 64, kMaxGroupHeads / 4, F8>;
+        case 5: return attend_span_bf16<5, 64, kMaxGroupHeads / 5, F8>;
+        case 6: return attend_span_bf16<6, 64, kMaxGroupHeads / 6, F8>;
+        case 7: return attend_span_bf16<7, 64, kMaxGroupHeads / 7, F8>;
+        case 8: return attend_span_bf16<8, 64, kMaxGroupHeads / 8, F8>;
         default: break;
       }
     }
@@ -736,10 +845,10 @@ SpanFn<T> span_fn(int nh, int D, int nkv) {
   (void)nkv;
 #endif
   if constexpr (!std::is_same_v<T, f16_t>) {
-    if (D == 64) return span_fn_d<T, 64>(nh);
-    if (D == 128) return span_fn_d<T, 128>(nh);
+    if (D == 64) return span_fn_d<T, 64, F8>(nh);
+    if (D == 128) return span_fn_d<T, 128, F8>(nh);
   }
-  return span_fn_d<T, 0>(nh);
+  return span_fn_d<T, 0, F8>(nh);
 }
 
 template <typename T>
@@ -836,15 +945,27 @@ inline const int32_t* item_block_table(const Params& P, int b, int nr) {
 // starts with its rows on the way instead of waiting for them. started: this item's first tokens
 // were requested that way by the item before. Returns whether the next item's first `ahead` tokens
 // were all requested.
-template <typename T>
-bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int nr, int kh0, int kh1, int t0,
+//
+// C: the cache element, T's own or f8e5m2_t (bf16 queries: each row's queries are copied, scaled by
+// 2^112, into its S[r].qf storage; see f8_words).
+template <typename T, typename C = T>
+bool run_item(const Params& P, const T* q, const C* kc, const C* vc, int b, int nr, int kh0, int kh1, int t0,
               int t1, Scratch* S, const Item* next = nullptr, bool started = false) {
+  constexpr bool F8 = std::is_same_v<C, f8e5m2_t>;
   const int D = P.D, g = P.g;
   const int nheads = (kh1 - kh0) * g;
   const T* qrows[kMaxGroupRows];
   for (int r = 0; r < nr; ++r) {
     const T* qb = q + (static_cast<int64_t>(b + r) * P.H + static_cast<int64_t>(kh0) * g) * D;
     qrows[r] = qb;  // queries in the storage type (for the bf16 dot-product path)
+#if PAGODA_DPBF16
+    if constexpr (F8) {
+      static_assert(std::is_same_v<T, bf16_t> && acc_permuted<T>(), "a one-byte cache is read with bf16 queries");
+      bf16_t* qs = reinterpret_cast<bf16_t*>(S[r].qf.data());  // H * D floats: room for H * D bf16
+      for (int i = 0; i < nheads * D; ++i) qs[i] = f8_scale_query(qb[i]);
+      qrows[r] = qs;
+    }
+#endif
     if constexpr (!acc_permuted<T>())
       for (int i = 0; i < nheads * D; ++i) S[r].qf[i] = to_float(qb[i]);
     std::fill(S[r].acc.begin(), S[r].acc.begin() + static_cast<size_t>(nheads) * D, 0.f);
@@ -856,10 +977,11 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
 
   const int32_t* bt = item_block_table(P, b, nr);
   const int nkv = kh1 - kh0;
-  const int64_t elt = sizeof(T);
+  const int64_t elt = sizeof(C);
   // kv heads per span call: the scores of kvg x g heads x kSpan tokens wait in S.tmp for the
   // softmax, so it must stay small (L1).
   const int kvg = std::max(1, std::min(nkv, kMaxGroupHeads / std::min(g, kMaxNH)));
+  // (With a one-byte cache, sized as for T's: the spans, and so the bits, are the bf16 cache's.)
   const int span_bytes = kSpan * (kvg * std::min(g, kMaxNH) * 64 + 2 * kvg * D * static_cast<int>(sizeof(T)));
   const int span = span_bytes <= kMaxSpanBytes ? kSpan : kTile;
   // Prefetch: every token's K and V rows are requested into L2 `ahead` tokens (kPrefetchBytes of K
@@ -876,7 +998,7 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   // other kv heads' calls come between). Llama-8B shapes (4 calls a span; `ahead` would be 6 tokens
   // otherwise), one core: 1.44x.
   const int ahead = std::max(span, kPrefetchBytes / (2 * run));
-  RowWalker<T> rows(P, kc, vc, bt, kh0, t0), ahead_rows(P, kc, vc, bt, kh0, t0);
+  RowWalker<C> rows(P, kc, vc, bt, kh0, t0), ahead_rows(P, kc, vc, bt, kh0, t0);
   for (int t = t0; t < std::min(t1, t0 + ahead); ++t) {
     const void *k, *v;
     ahead_rows.fill(&k, &v, 1);
@@ -885,7 +1007,7 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
       prefetch_range_l2(v, run);
     }
   }
-  RowWalker<T> next_rows(P, kc, vc, next ? item_block_table(P, next->b, next->nr) : bt, kh0,
+  RowWalker<C> next_rows(P, kc, vc, next ? item_block_table(P, next->b, next->nr) : bt, kh0,
                          next ? next->t0 : 0);
   int next_left = next ? std::max(0, std::min(ahead, next->t1 - next->t0)) : 0;
   const void* krow[kSpan];
@@ -893,8 +1015,8 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
   SpanFn<T> fns[kMaxNH + 1];  // for a runtime kv-head count
   SpanFn<T> fns_full[kMaxNH + 1];  // for kMaxGroupHeads / nh kv heads
   for (int nh = 1; nh <= std::min(g, kMaxNH); ++nh) {
-    fns[nh] = span_fn<T>(nh, D, 0);
-    fns_full[nh] = span_fn<T>(nh, D, kMaxGroupHeads / nh);
+    fns[nh] = span_fn<T, F8>(nh, D, 0);
+    fns_full[nh] = span_fn<T, F8>(nh, D, kMaxGroupHeads / nh);
   }
   const void* krow_g[kSpan];
   const void* vrow_g[kSpan];
@@ -934,10 +1056,10 @@ bool run_item(const Params& P, const T* q, const T* kc, const T* vc, int b, int 
         kpf_kg = kpf_g;
         vpf_kg = vpf_g;
         for (int t = 0; t < n; ++t) {
-          krow_g[t] = static_cast<const T*>(krow[t]) + kg * P.ks2;
-          vrow_g[t] = static_cast<const T*>(vrow[t]) + kg * P.vs2;
-          kpf_g[t] = kpf[t] ? static_cast<const T*>(kpf[t]) + kg * P.ks2 : nullptr;
-          vpf_g[t] = vpf[t] ? static_cast<const T*>(vpf[t]) + kg * P.vs2 : nullptr;
+          krow_g[t] = static_cast<const C*>(krow[t]) + kg * P.ks2;
+          vrow_g[t] = static_cast<const C*>(vrow[t]) + kg * P.vs2;
+          kpf_g[t] = kpf[t] ? static_cast<const C*>(kpf[t]) + kg * P.ks2 : nullptr;
+          vpf_g[t] = vpf[t] ? static_cast<const C*>(vpf[t]) + kg * P.vs2 : nullptr;
         }
       }
       A.pf_bytes = static_cast<int>(D * elt);  // a kv head's part of a row, prefetched by its pass
@@ -999,8 +1121,8 @@ void write_out(const float* acc, const float* l, int nheads, int D, T* ob) {
   }
 }
 
-template <typename T>
-void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, int nthreads) {
+template <typename T, typename C = T>
+void decode_impl(const Params& P, const T* q, const C* kc, const C* vc, T* out, int nthreads) {
   const int B = P.B, D = P.D, g = P.g, bs = P.block_size, kvh = P.kvh;
   // Items cover all kv heads of a sequence (each block is then read as one contiguous run); with few
   // sequences the context split below makes the parallelism. Measured on Zen 4 (Llama-8B shapes,
@@ -1085,14 +1207,14 @@ void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, 
           for (int e = 0; e < nheads * D; ++e) from_float(0.f, ob + e);
           continue;
         }
-        started = run_item<T>(P, q, kc, vc, it.b, it.nr, it.kh0, it.kh1, it.t0, it.t1, SS.data(), nx, was_started);
+        started = run_item<T, C>(P, q, kc, vc, it.b, it.nr, it.kh0, it.kh1, it.t0, it.t1, SS.data(), nx, was_started);
         for (int r = 0; r < it.nr; ++r)
           write_out(SS[r].acc.data(), SS[r].l.data(), nheads, D, ob + static_cast<int64_t>(r) * P.H * D);
         continue;
       }
       const bool empty = it.t1 <= it.t0;  // a trailing slice left empty by the rounding to blocks
       if (!empty)
-        started = run_item<T>(P, q, kc, vc, it.b, 1, it.kh0, it.kh1, it.t0, it.t1, &S, nx, was_started);
+        started = run_item<T, C>(P, q, kc, vc, it.b, 1, it.kh0, it.kh1, it.t0, it.t1, &S, nx, was_started);
       for (int kh = it.kh0; kh < it.kh1; ++kh) {
         const size_t slot = static_cast<size_t>(part_base[it.b] + static_cast<int64_t>(kh) * splits[it.b] + it.sp);
         const size_t h0 = static_cast<size_t>(kh - it.kh0) * g;
@@ -1137,15 +1259,26 @@ void decode_impl(const Params& P, const T* q, const T* kc, const T* vc, T* out, 
 
 // What both entry points require of the caches and of the step's tables (q [., H, D] is checked by
 // each for its own layout); the block ids themselves are checked by check_block_ids.
+// Whether this build's decode kernel reads a one-byte (float8_e5m2) cache with bf16 queries.
+bool decode_supports_f8() { return PAGODA_DPBF16; }
+
 void check_paged_inputs(const char* name, const at::Tensor& q, const at::Tensor& key_cache,
-                        const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+                        const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        bool one_byte_cache = false) {
   TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(),
               name, ": CPU tensors expected");
   TORCH_CHECK(q.dim() == 3, name, ": q must be 3-d, got ", q.sizes());
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "key_cache / value_cache must be [num_blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(key_cache.scalar_type() == q.scalar_type() && value_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must have the same dtype");
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), name, ": key_cache and value_cache must share a dtype");
+  if (one_byte_cache && key_cache.scalar_type() == at::kFloat8_e5m2) {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, name, ": a float8_e5m2 cache takes bfloat16 q, got ", q.scalar_type());
+    TORCH_CHECK(decode_supports_f8(), name, ": a float8_e5m2 cache needs a CPU with AVX512-BF16");
+  } else {
+    TORCH_CHECK(key_cache.scalar_type() == q.scalar_type(), name, ": q and the caches must have the same dtype",
+                one_byte_cache ? " (or bfloat16 q with float8_e5m2 caches)" : "", ", got ", q.scalar_type(), " and ",
+                key_cache.scalar_type());
+  }
   TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "cache head_dim must be contiguous");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
               "block_tables must be [B, max_blocks] int32 with contiguous rows");
@@ -1179,7 +1312,7 @@ void check_block_ids(const at::Tensor& block_tables, const at::Tensor& seq_lens,
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                             at::Tensor& out, int64_t num_threads) {
-  check_paged_inputs("paged_decode_attention", q, key_cache, value_cache, block_tables, seq_lens);
+  check_paged_inputs("paged_decode_attention", q, key_cache, value_cache, block_tables, seq_lens, true);
   TORCH_CHECK(q.is_contiguous(), "q must be a contiguous [B, H, D] tensor");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
               "out must be contiguous, with q's shape and dtype");
@@ -1209,6 +1342,15 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
   P.qscale = static_cast<float>(scale) * kLog2e;
 
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
+  if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // bf16 q (check_paged_inputs)
+#if PAGODA_DPBF16
+    decode_impl<bf16_t, f8e5m2_t>(P, static_cast<const bf16_t*>(q.data_ptr()),
+                                  static_cast<const f8e5m2_t*>(key_cache.data_ptr()),
+                                  static_cast<const f8e5m2_t*>(value_cache.data_ptr()),
+                                  static_cast<bf16_t*>(out.data_ptr()), nthreads);
+#endif
+    return;
+  }
   switch (q.scalar_type()) {
     case at::kFloat:
       decode_impl<float>(P, q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
@@ -2062,6 +2204,7 @@ TORCH_LIBRARY(pagoda_cpu, m) {
       "Tensor seq_lens, float scale, Tensor(a!) out, int num_threads) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
   m.def("has_avx512() -> bool", TORCH_FN(has_avx512));
+  m.def("decode_supports_f8() -> bool", TORCH_FN(decode_supports_f8));
   m.def(
       "paged_prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor(a!) out, int num_threads) -> ()");

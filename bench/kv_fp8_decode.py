@@ -1,0 +1,70 @@
+"""The CPU decode kernel on a one-byte K/V cache (float8_e5m2, vLLM's ``kv_cache_dtype="fp8_e5m2"``)
+against a bf16 cache of the same values, calls alternating in one process.
+
+    python bench/kv_fp8_decode.py [--reps 20] [--threads N] [--stat median|min]
+
+Each case of bench/kernel_bench.py's CASES (SmolLM2 and Llama-8B shapes, every sequence at the
+given context, scattered blocks) runs ``paged_decode_attention`` with bf16 queries on bf16 caches
+and on their e5m2 codes, cycling through enough layers' caches (``--cache-mb`` of bf16, half that
+of codes) that every call reads from DRAM, the two calls in turn each repetition. Prints each one's
+milliseconds and the rate of the bytes it reads (2 bytes a value, or 1), and bf16 / fp8. Both give
+the same bits where the codes' values are what the bf16 cache holds (tests/test_cpu_attention.py);
+here the bf16 cache holds random values, which the codes round.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernel_bench  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (default: torch's)")
+    ap.add_argument("--stat", default="median", choices=["median", "min"])
+    ap.add_argument("--cache-mb", type=int, default=512, help="bf16 K/V cycled through per case")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from pagoda_kernels.cpu_attention import decode_supports_f8, paged_decode_attention
+
+    if not decode_supports_f8():
+        print("this CPU's decode kernel has no one-byte cache (it needs AVX512-BF16)")
+        return 1
+    kernel_bench.MIN_CACHE_BYTES = args.cache_mb << 20
+    print(f"paged decode, bf16 queries, block size {kernel_bench.BLOCK_SIZE}, {torch.get_num_threads()} threads, "
+          f"{args.stat} of {args.reps}")
+    header = (f"{'model':8} {'H/KV/D':>10} {'batch':>5} {'ctx':>5} | {'bf16 ms':>8} {'GB/s':>6} | "
+              f"{'fp8 ms':>8} {'GB/s':>6} | {'bf16 / fp8':>10}")
+    print(header)
+    print("-" * len(header))
+    for label, h, kvh, d, batch, ctx in kernel_bench.CASES:
+        q, caches, meta, nbytes = kernel_bench.make_case(h, kvh, d, batch, ctx, torch.bfloat16)
+        codes = {id(k): (k.to(torch.float8_e5m2), v.to(torch.float8_e5m2)) for k, v in caches}
+        bt, sl, scale = meta.decode_block_tables, meta.decode_seq_lens, 1 / math.sqrt(d)
+        out = torch.empty_like(q)
+
+        def bf16(k, v):
+            paged_decode_attention(q, k, v, bt, sl, scale, out=out)
+
+        def fp8(k, v):
+            paged_decode_attention(q, *codes[id(k)], bt, sl, scale, out=out)
+
+        t16, t8 = kernel_bench.time_interleaved([bf16, fp8], caches, args.reps, args.stat)
+        print(f"{label:8} {f'{h}/{kvh}/{d}':>10} {batch:5d} {ctx:5d} | {t16 * 1e3:8.2f} {nbytes / t16 / 1e9:6.1f} | "
+              f"{t8 * 1e3:8.2f} {nbytes / 2 / t8 / 1e9:6.1f} | {t16 / t8:9.2f}x", flush=True)
+        del caches, codes
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
