@@ -1,7 +1,7 @@
 """The CPU decode kernel on a one-byte K/V cache (float8_e5m2, vLLM's ``kv_cache_dtype="fp8_e5m2"``)
 against a bf16 cache of the same values, calls alternating in one process.
 
-    python bench/kv_fp8_decode.py [--reps 20] [--threads N] [--stat median|min]
+    python bench/kv_fp8_decode.py [--reps 20] [--threads N] [--stat median|min] [--baseline OLD.cpp]
 
 Each case of bench/kernel_bench.py's CASES (SmolLM2 and Llama-8B shapes, every sequence at the
 given context, scattered blocks) runs ``paged_decode_attention`` with bf16 queries on bf16 caches
@@ -9,7 +9,9 @@ and on their e5m2 codes, cycling through enough layers' caches (``--cache-mb`` o
 of codes) that every call reads from DRAM, the two calls in turn each repetition. Prints each one's
 milliseconds and the rate of the bytes it reads (2 bytes a value, or 1), and bf16 / fp8. Both give
 the same bits where the codes' values are what the bf16 cache holds (tests/test_cpu_attention.py);
-here the bf16 cache holds random values, which the codes round.
+here the bf16 cache holds random values, which the codes round. ``--baseline OLD.cpp`` (another
+revision's kernels/csrc/paged_attention_cpu.cpp, built as its own extension) also runs its decode
+kernel on the codes in the same turns: before / after on the one-byte cache in one process.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (default: torch's)")
     ap.add_argument("--stat", default="median", choices=["median", "min"])
     ap.add_argument("--cache-mb", type=int, default=512, help="bf16 K/V cycled through per case")
+    ap.add_argument("--baseline", metavar="OLD.cpp", help="another paged_attention_cpu.cpp to time on the codes")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -41,10 +44,11 @@ def main() -> int:
         print("this CPU's decode kernel has no one-byte cache (it needs AVX512-BF16)")
         return 1
     kernel_bench.MIN_CACHE_BYTES = args.cache_mb << 20
+    baseline = kernel_bench.load_cpu_baseline(args.baseline) if args.baseline else None
     print(f"paged decode, bf16 queries, block size {kernel_bench.BLOCK_SIZE}, {torch.get_num_threads()} threads, "
           f"{args.stat} of {args.reps}")
     header = (f"{'model':8} {'H/KV/D':>10} {'batch':>5} {'ctx':>5} | {'bf16 ms':>8} {'GB/s':>6} | "
-              f"{'fp8 ms':>8} {'GB/s':>6} | {'bf16 / fp8':>10}")
+              f"{'fp8 ms':>8} {'GB/s':>6} | {'bf16 / fp8':>10}" + (" | before fp8 ms | before / fp8" if baseline else ""))
     print(header)
     print("-" * len(header))
     for label, h, kvh, d, batch, ctx in kernel_bench.CASES:
@@ -59,9 +63,14 @@ def main() -> int:
         def fp8(k, v):
             paged_decode_attention(q, *codes[id(k)], bt, sl, scale, out=out)
 
-        t16, t8 = kernel_bench.time_interleaved([bf16, fp8], caches, args.reps, args.stat)
+        def before(k, v):
+            baseline.paged_decode_attention(q, *codes[id(k)], bt, sl, scale, out, torch.get_num_threads())
+
+        fns = [bf16, fp8] + ([before] if baseline else [])
+        t16, t8, *t_old = kernel_bench.time_interleaved(fns, caches, args.reps, args.stat)
+        old = f" | {t_old[0] * 1e3:13.2f} | {t_old[0] / t8:11.3f}x" if baseline else ""
         print(f"{label:8} {f'{h}/{kvh}/{d}':>10} {batch:5d} {ctx:5d} | {t16 * 1e3:8.2f} {nbytes / t16 / 1e9:6.1f} | "
-              f"{t8 * 1e3:8.2f} {nbytes / 2 / t8 / 1e9:6.1f} | {t16 / t8:9.2f}x", flush=True)
+              f"{t8 * 1e3:8.2f} {nbytes / 2 / t8 / 1e9:6.1f} | {t16 / t8:9.2f}x{old}", flush=True)
         del caches, codes
     return 0
 

@@ -353,16 +353,62 @@ PAGODA_INLINE __m512i f8_words(__m512i code_hi) {
 PAGODA_INLINE __m256i f8_words(__m256i code_hi) {
   return _mm256_and_si256(_mm256_srai_epi16(code_hi, 3), _mm256_set1_epi16(static_cast<short>(0x8FFF)));
 }
+// With AVX512-VBMI a byte permute (vpermb, one uop; the other bytes zeroed) puts each code in its
+// word's high byte: the code << 8 that the widening and the shift give without it.
+#if defined(__AVX512VBMI__)
+#define PAGODA_F8_VBMI 1
+constexpr __mmask64 kHighBytes = 0xAAAAAAAAAAAAAAAAull;
+// vpermb indices: byte 2w + 1 of the result from byte src(w) of the source (kind 0: w; 1 and 2:
+// f8_load32_interleaved's lo and hi, token a in bytes 0-31 and b in 32-63).
+struct F8Index {
+  alignas(64) uint8_t b[64] = {};
+  constexpr explicit F8Index(int kind) {
+    for (int w = 0; w < 32; ++w)
+      b[2 * w + 1] = static_cast<uint8_t>(kind == 0 ? w : (w & 1) * 32 + (w & ~7) + (kind == 2 ? 4 : 0) + (w & 7) / 2);
+  }
+};
+constexpr F8Index kF8Plain{0}, kF8Lo{1}, kF8Hi{2};
+PAGODA_INLINE __m512i f8_permute(const F8Index& idx, __m512i codes) {
+  return f8_words(_mm512_maskz_permutexvar_epi8(kHighBytes, _mm512_load_si512(idx.b), codes));
+}
+#else
+#define PAGODA_F8_VBMI 0
+#endif
 // 32 codes -> 32 words.
 PAGODA_INLINE __m512i f8_load32(const uint8_t* p) {
-  return f8_words(_mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 8));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+#if PAGODA_F8_VBMI
+  return f8_permute(kF8Plain, _mm512_castsi256_si512(b));
+#else
+  return f8_words(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
+#endif
 }
 // 16 codes at p0 and 16 at p1 -> 16 words each, in the low and the high half.
 PAGODA_INLINE __m512i f8_load16x2(const uint8_t* p0, const uint8_t* p1) {
   const __m256i b = _mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
+#if PAGODA_F8_VBMI
+  return f8_permute(kF8Plain, _mm512_castsi256_si512(b));
+#else
   return f8_words(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
+#endif
+}
+// 32 codes of token a and 32 of token b (pb null: zeros) -> the words unpacklo_epi16 /
+// unpackhi_epi16 of their f8_load32 words give, straight from the codes where vpermb is there.
+PAGODA_INLINE void f8_load32_interleaved(const uint8_t* pa, const uint8_t* pb, __m512i& lo, __m512i& hi) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pa));
+  const __m256i b = pb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)) : _mm256_setzero_si256();
+#if PAGODA_F8_VBMI
+  const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  lo = f8_permute(kF8Lo, ab);
+  hi = f8_permute(kF8Hi, ab);
+#else
+  const __m512i wa = f8_words(_mm512_slli_epi16(_mm512_cvtepu8_epi16(a), 8));
+  const __m512i wb = f8_words(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
+  lo = _mm512_unpacklo_epi16(wa, wb);
+  hi = _mm512_unpackhi_epi16(wa, wb);
+#endif
 }
 // 16 codes -> 16 words.
 PAGODA_INLINE __m256i f8_load16(const uint8_t* p) {
@@ -727,14 +773,19 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
         for (int j = 0; j < NH; ++j)
           pw[j] = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(p16[j])[tp]);
         for (int w = 0; w < CW; ++w) {
-          const auto load = [](const CE* p) __attribute__((always_inline)) {
-            if constexpr (F8) return f8_load32(p);
-            else return _mm512_loadu_si512(p);
-          };
-          const __m512i a = load(vrow[2 * tp] + vo + (c0 + w) * 32);
-          const __m512i b = LAST ? _mm512_setzero_si512() : load(vrow[2 * tp + 1] + vo + (c0 + w) * 32);
-          const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b);
-          const __m512bh vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+          __m512bh vlo, vhi;
+          if constexpr (F8) {
+            __m512i lo8, hi8;
+            f8_load32_interleaved(vrow[2 * tp] + vo + (c0 + w) * 32,
+                                  LAST ? nullptr : vrow[2 * tp + 1] + vo + (c0 + w) * 32, lo8, hi8);
+            vlo = (__m512bh)lo8;
+            vhi = (__m512bh)hi8;
+          } else {
+            const __m512i a = _mm512_loadu_si512(vrow[2 * tp] + vo + (c0 + w) * 32);
+            const __m512i b = LAST ? _mm512_setzero_si512() : _mm512_loadu_si512(vrow[2 * tp + 1] + vo + (c0 + w) * 32);
+            vlo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+            vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+          }
           for (int j = 0; j < NH; ++j) {
             lo[w][j] = _mm512_dpbf16_ps(lo[w][j], vlo, pw[j]);
             hi[w][j] = _mm512_dpbf16_ps(hi[w][j], vhi, pw[j]);
