@@ -44,8 +44,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
              slot_mapping: torch.Tensor) -> None:
     """reshape_and_cache: store each new token's K/V [T, kv_heads, head_dim] at its slot."""
     num_blocks, block_size, kvh, d = key_cache.shape
-    key_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, key)
-    value_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, value)
+    # (a one-byte cache gets torch's conversion of the rows, the codes Pagoda's C++ writers store)
+    key_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -233,7 +233,8 @@ class CpuAttention(TorchAttention):
         the kernel does not take."""
         if (key.stride(-1) == 1 and value.stride(-1) == 1 and key.stride(1) == key.shape[2]
                 and value.stride(1) == value.shape[2] and key_cache.is_contiguous() and value_cache.is_contiguous()
-                and slot_mapping.dtype == torch.int64 and key.dtype == key_cache.dtype == value.dtype):
+                and slot_mapping.dtype == torch.int64 and key.dtype == value.dtype
+                and (key_cache.dtype == key.dtype or (key_cache.dtype == torch.float8_e5m2 and key.dtype == torch.bfloat16))):
             self._reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous())
         else:
             super().write_kv(key, value, key_cache, value_cache, slot_mapping)

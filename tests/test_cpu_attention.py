@@ -287,16 +287,17 @@ def test_one_byte_cache_gives_the_bits_of_a_bf16_cache_of_its_values(op, h, kvh,
 
 
 def test_one_byte_cache_arguments(op):
-    """A float8_e5m2 cache takes bf16 queries only, both caches in it; the prefill kernel takes
-    none. Each refusal names what it wants."""
+    """A float8_e5m2 cache takes bf16 queries only, both caches in it, in decode and prefill alike.
+    Each refusal names what it wants."""
     q, kc, vc, bt, sl = make_inputs([20, 3], 9, 3, 64, 16, torch.bfloat16, seed=2)
     kc8, vc8 = kc.to(torch.float8_e5m2), vc.to(torch.float8_e5m2)
-    with pytest.raises(RuntimeError, match="takes bfloat16 q, got Float"):
-        paged_decode_attention(q.float(), kc8, vc8, bt, sl, 0.125)
-    with pytest.raises(RuntimeError, match="key_cache and value_cache must share a dtype"):
-        paged_decode_attention(q, kc8, vc, bt, sl, 0.125)
-    with pytest.raises(RuntimeError, match="same dtype"):
-        paged_prefill_attention(q, kc8, vc8, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 0.125)
+    qs = torch.tensor([0, 1, 2], dtype=torch.int32)
+    for call in (lambda *a: paged_decode_attention(*a, bt, sl, 0.125),
+                 lambda *a: paged_prefill_attention(*a, bt, qs, sl, 0.125)):
+        with pytest.raises(RuntimeError, match="takes bfloat16 q, got Float"):
+            call(q.float(), kc8, vc8)
+        with pytest.raises(RuntimeError, match="key_cache and value_cache must share a dtype"):
+            call(q, kc8, vc)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -612,3 +613,26 @@ def test_reshape_and_cache_refuses_bad_slots_and_shapes():
     with pytest.raises(RuntimeError, match="slot_mapping must be int64"):
         op(k, k, kc, vc, torch.tensor([0, 1, 2], dtype=torch.int32))
     assert not kc.any() and not vc.any()  # nothing written by a refused call
+
+
+@needs_prefill
+def test_one_byte_cache_prefill_gives_the_bits_of_a_bf16_cache_of_its_values(prefill_op):
+    """The prefill kernel on float8_e5m2 caches (each key tile's codes turned into bf16 values
+    first) gives bitwise what it gives on bf16 caches holding the codes' values, subnormal codes as
+    zero: on AMX tiles and on vectors, chunks with and without cached context, the poisoned slots
+    a wrong read would bring in. Where the build has no vdpbf16ps it refuses such caches."""
+    chunks = PREFILL_CHUNKS + [(300, 90)]
+    q, kc, vc, bt, qs, sl = make_prefill_inputs(chunks, 9, 3, 64, 16, torch.bfloat16, seed=5)
+    kc8, vc8 = kc.to(torch.float8_e5m2), vc.to(torch.float8_e5m2)
+    kc8.view(torch.uint8)[int(bt[0, 0]), 0, 0, :3] = torch.tensor([0x01, 0x83, 0x00], dtype=torch.uint8)
+    out = torch.empty_like(q)
+    if not decode_supports_f8():
+        with pytest.raises(RuntimeError, match="float8_e5m2 cache needs a CPU with AVX512-BF16"):
+            prefill_op(q, kc8, vc8, bt, qs, sl, 0.125, out, 2)
+        return
+    for _ in each_prefill_variant() if torch.bfloat16 in PREFILL_DTYPES else ():
+        for threads in (1, 2):
+            prefill_op(q, kc8, vc8, bt, qs, sl, 0.125, out, threads)
+            want = check_prefill(q, e5m2_values(kc8), e5m2_values(vc8), bt, qs, sl, 0.125, op=prefill_op,
+                                 num_threads=threads)
+            assert torch.equal(out, want)

@@ -124,6 +124,42 @@ def test_rotary_qkv_to_cache_is_rotary_then_reshape_and_cache(ops, dtype, heads,
     assert not torch.equal(kc, caches[0])
 
 
+def test_one_byte_cache_writers_store_torchs_float8_e5m2_codes(ops):
+    """Into a one-byte (float8_e5m2) cache each C++ writer stores what torch's conversion of its
+    bf16 rows gives: reshape_and_cache for every one of the 65536 bf16 bit patterns (subnormals,
+    halfway cases, overflow to infinity, NaN), and rotary_qkv_to_cache its bf16 cache's new rows
+    converted, every other slot untouched."""
+    from pagoda_kernels.cpu_attention import CpuAttention
+
+    cpu, _ = ops
+    g = torch.Generator().manual_seed(3)
+    key = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(1024, 2, 32)
+    value = key.flip(0)
+    kc8, vc8 = (torch.zeros(64, 16, 2, 32, dtype=torch.float8_e5m2) for _ in range(2))
+    slots = torch.randperm(1024, generator=g)
+    CpuAttention().write_kv(key, value, kc8, vc8, slots)
+    for cache, rows in ((kc8, key), (vc8, value)):
+        want = torch.zeros(1024, 2, 32, dtype=torch.float8_e5m2)
+        want[slots] = rows.to(torch.float8_e5m2)
+        assert torch.equal(cache.view(torch.uint8).view(1024, 2, 32), want.view(torch.uint8))
+
+    heads, kvh, dim, rows, cached, max_pos = 9, 3, 64, 70, 61, 512
+    cos_t, sin_t = _rope_tables(dim, max_pos)
+    qkv = (4 * torch.randn(rows, (heads + 2 * kvh) * dim, generator=g)).bfloat16()
+    positions = torch.randint(0, max_pos, (rows,), generator=g)
+    slots = torch.randperm(40 * 16, generator=g)[:cached]
+    rope = cpu.rope_inputs(positions, cos_t, sin_t, torch.bfloat16)
+    kc, vc = (torch.randn(40, 16, kvh, dim, generator=g).bfloat16() for _ in range(2))
+    kc8, vc8 = kc.to(torch.float8_e5m2), vc.to(torch.float8_e5m2)
+    q8 = cpu.rotary_qkv_to_cache(qkv, rope, heads, kc8, vc8, slots)
+    q = cpu.rotary_qkv_to_cache(qkv, rope, heads, kc, vc, slots)
+    assert q8 is not None and torch.equal(q8, q)
+    assert torch.equal(kc8.view(torch.uint8), kc.to(torch.float8_e5m2).view(torch.uint8))
+    assert torch.equal(vc8.view(torch.uint8), vc.to(torch.float8_e5m2).view(torch.uint8))
+    with pytest.raises(RuntimeError, match=r"or bf16 qkv and q_out, float8_e5m2 caches"):
+        torch.ops.pagoda_cpu.rotary_qkv_to_cache(qkv.float(), positions, cos_t, sin_t, q.float(), kc8, vc8, slots)
+
+
 def test_rotary_qkv_to_cache_rejects_bad_slots_and_shapes(ops):
     cpu, _ = ops
     cos_t, sin_t = _rope_tables(8, 16)
@@ -650,6 +686,12 @@ def test_gemm_linear_rotary_qkv_to_cache_is_the_gemm_then_rotary_qkv_to_cache(op
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu.gemm_linear_rotary_qkv_to_cache(x, cpu.gemm_pack(w), rope, heads, kc, vc,
                                            torch.full((cached,), blocks * bs))
+    if dtype == torch.bfloat16:  # a one-byte cache: the bf16 cache's rows as torch converts them
+        kc8, vc8 = caches[0].to(torch.float8_e5m2), caches[1].to(torch.float8_e5m2)
+        q8 = cpu.gemm_linear_rotary_qkv_to_cache(x, cpu.gemm_pack(w), rope, heads, kc8, vc8, slots)
+        assert torch.equal(q8, q_ref)
+        assert torch.equal(kc8.view(torch.uint8), kc_ref.to(torch.float8_e5m2).view(torch.uint8))
+        assert torch.equal(vc8.view(torch.uint8), vc_ref.to(torch.float8_e5m2).view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype,w_dtype,float32_kernel", [

@@ -21,6 +21,8 @@
 
 #include "pagoda_cpu.h"
 
+#include <c10/util/Float8_e5m2.h>
+
 #include <cpuid.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <x86intrin.h>
@@ -388,13 +390,60 @@ void rotary_impl(const T* x, int64_t x_stride, T* out, const int64_t* positions,
   }
 }
 
+// ---- a one-byte K/V cache (float8_e5m2 codes; the decode kernel reads them) -------------------------
+// Codes of n bf16 values as torch's conversion to float8_e5m2 gives them (c10's
+// fp8e5m2_from_fp32_value: nearest even, subnormals kept, overflow to infinity): a one-byte cache's
+// writers store exactly what key.to(torch.float8_e5m2) stores.
+inline void e5m2_row(const bf16_t* src, uint8_t* dst, int64_t n) {
+  int64_t i = 0;
+#if PAGODA_EW_AVX512
+  const auto c = [](uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); };
+  for (; i + 16 <= n; i += 16) {
+    const __m512i bits =
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16);
+    const __m512i sign = _mm512_and_si512(bits, c(0x80000000u));
+    const __m512i f = _mm512_xor_si512(bits, sign);
+    // normal: round the mantissa to 2 bits (nearest even) and rebias the exponent
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(f, 21), c(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(f, c((uint32_t(15 - 127) << 23) + 0xFFFFF)), odd), 21);
+    // below the smallest normal (2^-14): the float add that rounds to a multiple of 2^-16
+    const __m512i den = _mm512_sub_epi32(
+        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(f), _mm512_castsi512_ps(c(134u << 23)))), c(134u << 23));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epu32_mask(f, c(113u << 23)), den);
+    // 2^16 and above: infinity, NaN a NaN
+    const __m512i big = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(f, c(0x7F800000u)), c(0x7C), c(0x7F));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epu32_mask(f, c(143u << 23)), big);
+    r = _mm512_or_si512(_mm512_and_si512(r, c(0xFF)), _mm512_srli_epi32(sign, 24));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtepi32_epi8(r));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = c10::Float8_e5m2(load(src[i])).x;
+}
+
+// A K/V row (kv_heads x dim, T) into its cache slot: copied, or as e5m2 codes (C = uint8_t).
+template <typename T, typename C>
+inline void cache_row(const T* row, C* slot, int64_t n) {
+  if constexpr (std::is_same_v<C, T>) {
+    std::memcpy(slot, row, n * sizeof(T));
+  } else {
+    static_assert(std::is_same_v<T, bf16_t> && std::is_same_v<C, uint8_t>, "a one-byte cache takes bf16 rows");
+    e5m2_row(row, slot, n);
+  }
+}
+
+// Whether a cache of this dtype takes rows of T's: the same dtype, or bf16 rows in a one-byte cache.
+inline bool cache_takes(at::ScalarType cache, at::ScalarType rows) {
+  return cache == rows || (cache == at::kFloat8_e5m2 && rows == at::kBFloat16);
+}
+
 // The fused QKV projection's output -> rotary q (q_out), and for the rows with a cache slot the
 // rotary k and the v written straight into their slots of the caches: rotary_embedding of q and of k
 // and reshape_and_cache in one pass (no k temporary, one parallel region instead of three). qkv
 // [T, (H + 2 kvh) D] (row stride free); rows r < Tr = len(slot_mapping) get cached, rows past Tr
 // (GEMM padding) only their q.
-template <typename T>
-void rotary_qkv_cache_impl(const T* qkv, int64_t qkv_stride, T* q_out, T* key_cache, T* value_cache,
+// C: the caches' element, T or uint8_t (e5m2 codes of the bf16 rows: rotary(k) through a row buffer).
+template <typename T, typename C = T>
+void rotary_qkv_cache_impl(const T* qkv, int64_t qkv_stride, T* q_out, C* key_cache, C* value_cache,
                            const int64_t* slots, int64_t cached_rows, const int64_t* positions, const float* cos_table,
                            const float* sin_table, int64_t table_stride, int64_t rows, int64_t heads, int64_t kv_heads,
                            int64_t dim) {
@@ -405,8 +454,15 @@ void rotary_qkv_cache_impl(const T* qkv, int64_t qkv_stride, T* q_out, T* key_ca
     const T* x = qkv + r * qkv_stride;
     rot.apply(x, q_out + r * heads * dim, heads);
     if (r < cached_rows) {
-      rot.apply(x + heads * dim, key_cache + slots[r] * kv_row, kv_heads);
-      std::memcpy(value_cache + slots[r] * kv_row, x + (heads + kv_heads) * dim, kv_row * sizeof(T));
+      if constexpr (std::is_same_v<C, T>) {
+        rot.apply(x + heads * dim, key_cache + slots[r] * kv_row, kv_heads);
+      } else {
+        thread_local std::vector<T> k;
+        k.resize(kv_row);
+        rot.apply(x + heads * dim, k.data(), kv_heads);
+        cache_row(k.data(), key_cache + slots[r] * kv_row, kv_row);
+      }
+      cache_row(x + (heads + kv_heads) * dim, value_cache + slots[r] * kv_row, kv_row);
     }
   }
 }
@@ -503,8 +559,9 @@ void rotary_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions, con
               "caches must be contiguous [num_blocks, block_size, kv_heads, ", dim, "] alike");
   const int64_t kv_heads = key_cache.size(2), num_slots = key_cache.size(0) * key_cache.size(1);
   check_rows(qkv, "qkv", rows, (heads + 2 * kv_heads) * dim);
-  TORCH_CHECK(qkv.scalar_type() == q_out.scalar_type() && qkv.scalar_type() == key_cache.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type(), "qkv, q_out and the caches must share a dtype");
+  TORCH_CHECK(qkv.scalar_type() == q_out.scalar_type() && cache_takes(key_cache.scalar_type(), qkv.scalar_type()) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "qkv, q_out and the caches must share a dtype (or bf16 qkv and q_out, float8_e5m2 caches)");
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong &&
                   positions.is_contiguous(), "positions must be int64 [", rows, "]");
   TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
@@ -529,6 +586,14 @@ void rotary_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions, con
                                    heads, kv_heads, dim);
       break;
     case at::kBFloat16:
+      if (key_cache.scalar_type() == at::kFloat8_e5m2) {
+        rotary_qkv_cache_impl<bf16_t, uint8_t>(
+            static_cast<const bf16_t*>(qkv.data_ptr()), qkv.stride(0), static_cast<bf16_t*>(q_out.data_ptr()),
+            static_cast<uint8_t*>(key_cache.data_ptr()), static_cast<uint8_t*>(value_cache.data_ptr()), slots, cached,
+            pos, cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), cos_table.stride(0), rows, heads, kv_heads,
+            dim);
+        break;
+      }
       rotary_qkv_cache_impl<bf16_t>(static_cast<const bf16_t*>(qkv.data_ptr()), qkv.stride(0),
                                     static_cast<bf16_t*>(q_out.data_ptr()), static_cast<bf16_t*>(key_cache.data_ptr()),
                                     static_cast<bf16_t*>(value_cache.data_ptr()), slots, cached, pos,
@@ -651,14 +716,28 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
     TORCH_CHECK(t->dim() == 3 && t->size(0) == rows && t->size(1) == kvh && t->size(2) == dim && t->stride(2) == 1 &&
                     t->stride(1) == dim, "key / value must be [T, ", kvh, ", ", dim, "] with contiguous heads, got ",
                 t->sizes(), " strides ", t->strides());
-    TORCH_CHECK(t->scalar_type() == key_cache.scalar_type(), "key / value must have the caches' dtype");
+    TORCH_CHECK(cache_takes(key_cache.scalar_type(), t->scalar_type()),
+                "key / value must have the caches' dtype (or be bf16 for float8_e5m2 caches)");
   }
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "caches must share a dtype");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value must share a dtype");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows && slot_mapping.scalar_type() == at::kLong &&
                   slot_mapping.is_contiguous(), "slot_mapping must be int64 [T]");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "slot ", slots[r], " outside the cache [0, ", num_slots, ")");
+  if (key_cache.scalar_type() != key.scalar_type()) {  // bf16 rows, e5m2 codes
+    const auto* k = static_cast<const bf16_t*>(key.data_ptr());
+    const auto* v = static_cast<const bf16_t*>(value.data_ptr());
+    auto* kc = static_cast<uint8_t*>(key_cache.data_ptr());
+    auto* vc = static_cast<uint8_t*>(value_cache.data_ptr());
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows * row * 2))
+    for (int64_t r = 0; r < rows; ++r) {
+      e5m2_row(k + r * key.stride(0), kc + slots[r] * row, row);
+      e5m2_row(v + r * value.stride(0), vc + slots[r] * row, row);
+    }
+    return;
+  }
   const int64_t bytes = row * static_cast<int64_t>(key.element_size());
   const char* k = static_cast<const char*>(key.data_ptr());
   const char* v = static_cast<const char*>(value.data_ptr());
@@ -2208,8 +2287,9 @@ void gemm_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Ten
 // The epilogue of gemm_linear_rotary_to_cache for rows r0.. of head block h: each row's 64 outputs
 // (in T, as gemm_linear stores them: to_row) go through rotary to q, or to the key cache, or
 // unrotated to the value cache.
-template <typename T, typename ToRow>
-void rotary_to_cache_rows(int64_t r0, int64_t rows, int64_t h, const float* c, ToRow&& to_row, T* q, T* kc, T* vc,
+// C: the caches' element, T or uint8_t (e5m2 codes: rotary(k) through a row buffer, cache_row).
+template <typename T, typename ToRow, typename C = T>
+void rotary_to_cache_rows(int64_t r0, int64_t rows, int64_t h, const float* c, ToRow&& to_row, T* q, C* kc, C* vc,
                           int64_t heads, int64_t kv_heads, const int64_t* slots, int64_t cached, const int64_t* pos,
                           const float* ct, const float* st) {
   constexpr int64_t dim = kGemmBlockN;
@@ -2221,11 +2301,19 @@ void rotary_to_cache_rows(int64_t r0, int64_t rows, int64_t h, const float* c, T
     if (kv && r >= cached) continue;  // GEMM padding rows: q only
     to_row(c + i * kGemmBlockN, row);
     if (h >= heads + kv_heads) {
-      std::memcpy(vc + slots[r] * kv_row + (h - heads - kv_heads) * dim, row, dim * sizeof(T));
+      cache_row(row, vc + slots[r] * kv_row + (h - heads - kv_heads) * dim, dim);
       continue;
     }
     const RowRotator<T> rot(ct + pos[r] * dim, st + pos[r] * dim, dim);
-    rot.apply(row, kv ? kc + slots[r] * kv_row + (h - heads) * dim : q + (r * heads + h) * dim, 1);
+    if (!kv) {
+      rot.apply(row, q + (r * heads + h) * dim, 1);
+    } else if constexpr (std::is_same_v<C, T>) {
+      rot.apply(row, kc + slots[r] * kv_row + (h - heads) * dim, 1);
+    } else {
+      alignas(64) T k[kGemmBlockN];
+      rot.apply(row, k, 1);
+      cache_row(k, kc + slots[r] * kv_row + (h - heads) * dim, dim);
+    }
   }
 }
 
@@ -2240,8 +2328,10 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
   const auto dtype = bf16_model(x, packed) ? at::kBFloat16 : at::kFloat;  // of q_out and the caches
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(3) == dim && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes() &&
-                  key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
-              "caches must be contiguous [num_blocks, block_size, kv_heads, 64] alike, in the model dtype");
+                  cache_takes(key_cache.scalar_type(), dtype) && value_cache.scalar_type() == key_cache.scalar_type(),
+              "caches must be contiguous [num_blocks, block_size, kv_heads, 64] alike, in the model dtype (or "
+              "float8_e5m2 for a bf16 model)");
+  const bool codes = key_cache.scalar_type() == at::kFloat8_e5m2;
   const int64_t kv_heads = key_cache.size(2);
   TORCH_CHECK(packed.size(0) == heads + 2 * kv_heads, "packed must hold ", heads + 2 * kv_heads, " head blocks");
   TORCH_CHECK(q_out.dim() == 3 && q_out.size(0) == m && q_out.size(2) == dim && q_out.is_contiguous() &&
@@ -2270,21 +2360,29 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
     });
     return;
   }
+  // A bf16 model: rows rounded as gemm_linear stores them, into a bf16 or a one-byte cache.
+  const auto bf16_rows = [&](auto&& to_row) {
+    auto* q = static_cast<bf16_t*>(q_out.data_ptr());
+    if (codes) {
+      auto* kc = static_cast<uint8_t*>(key_cache.data_ptr());
+      auto* vc = static_cast<uint8_t*>(value_cache.data_ptr());
+      run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
+        rotary_to_cache_rows(r0, rows, h, c, to_row, q, kc, vc, heads, kv_heads, slots, cached, pos, ct, st);
+      });
+    } else {
+      auto* kc = static_cast<bf16_t*>(key_cache.data_ptr());
+      auto* vc = static_cast<bf16_t*>(value_cache.data_ptr());
+      run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
+        rotary_to_cache_rows(r0, rows, h, c, to_row, q, kc, vc, heads, kv_heads, slots, cached, pos, ct, st);
+      });
+    }
+  };
   if (f32_kernel(packed)) {  // a bf16 model on the float32 kernel
-    run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
-      rotary_to_cache_rows<bf16_t>(r0, rows, h, c, round_block_row, static_cast<bf16_t*>(q_out.data_ptr()),
-                                   static_cast<bf16_t*>(key_cache.data_ptr()),
-                                   static_cast<bf16_t*>(value_cache.data_ptr()), heads, kv_heads, slots, cached, pos,
-                                   ct, st);
-    });
+    bf16_rows(round_block_row);
     return;
   }
 #if PAGODA_GEMM_BF16
-  run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
-    rotary_to_cache_rows<bf16_t>(r0, rows, h, c, gemm_round_block_row, static_cast<bf16_t*>(q_out.data_ptr()),
-                                 static_cast<bf16_t*>(key_cache.data_ptr()), static_cast<bf16_t*>(value_cache.data_ptr()),
-                                 heads, kv_heads, slots, cached, pos, ct, st);
-  });
+  bf16_rows(gemm_round_block_row);
 #endif
 }
 

@@ -414,6 +414,16 @@ PAGODA_INLINE void f8_load32_interleaved(const uint8_t* pa, const uint8_t* pb, _
 PAGODA_INLINE __m256i f8_load16(const uint8_t* p) {
   return f8_words(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8));
 }
+// n codes (a multiple of 16) -> the bf16 values they hold, subnormal codes as +0 (what the decode
+// kernel reads; infinities and NaNs as finite values): the prefill kernel's rows of a one-byte cache.
+inline void f8_values_row(const uint8_t* src, bf16_t* dst, int n) {
+  for (int i = 0; i < n; i += 16) {
+    const __m256i w = f8_load16(src + i);
+    const __mmask16 normal = _mm256_test_epi16_mask(w, _mm256_set1_epi16(0x7F80));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_maskz_add_epi16(normal, w, _mm256_set1_epi16(kF8ExpShift << 7)));
+  }
+}
 // bf16 words with a nonzero exponent field times 2^112; subnormal words (zero to vdpbf16ps) as they
 // are. P lies in [0, 1], so its exponent field stays below 255.
 PAGODA_INLINE __m512i f8_scale_p(__m512i w) {
@@ -1310,7 +1320,7 @@ void decode_impl(const Params& P, const T* q, const C* kc, const C* vc, T* out, 
 
 // What both entry points require of the caches and of the step's tables (q [., H, D] is checked by
 // each for its own layout); the block ids themselves are checked by check_block_ids.
-// Whether this build's decode kernel reads a one-byte (float8_e5m2) cache with bf16 queries.
+// Whether this build's decode and prefill kernels read a one-byte (float8_e5m2) cache with bf16 queries.
 bool decode_supports_f8() { return PAGODA_DPBF16; }
 
 void check_paged_inputs(const char* name, const at::Tensor& q, const at::Tensor& key_cache,
@@ -2027,8 +2037,10 @@ PAGODA_INLINE void copy_q_row(const T* src, QT* dst, int D) {
   }
 }
 
-template <typename T>
-void prefill_item(const PrefillParams& P, const T* q, const T* kc, const T* vc, T* out, const PrefillItem& it,
+// C: the caches' element, T's or f8e5m2_t (bf16 T: each key tile's rows of codes become bf16 values
+// in a staging buffer first, f8_values_row, and the tile is packed from there).
+template <typename T, typename C = T>
+void prefill_item(const PrefillParams& P, const T* q, const C* kc, const C* vc, T* out, const PrefillItem& it,
                   PrefillScratch& S, bool amx) {
   const int D = P.D, g = P.g;
   const int rows = (it.tq1 - it.tq0) * g;
@@ -2056,21 +2068,40 @@ void prefill_item(const PrefillParams& P, const T* q, const T* kc, const T* vc, 
   int lim[kAmxRows];
   // Row pointers of this key tile and the next; the next tile's rows are prefetched into L2 a few
   // keys per panel while this one is computed (a long sequence's K/V is not in L2).
-  const T* rows_a[2][kKeyTile];
-  const T* rows_b[2][kKeyTile];
-  const int row_bytes = D * static_cast<int>(sizeof(T));
+  const C* rows_a[2][kKeyTile];
+  const C* rows_b[2][kKeyTile];
+  const int row_bytes = D * static_cast<int>(sizeof(C));
   const int npanels = rows_p / panel;
   const int pf_per_panel = (kKeyTile + npanels - 1) / npanels;
-  key_rows<T>(P, kc, vc, bt, it.kh, 0, std::min(kKeyTile, kend), rows_a[0], rows_b[0]);
+  key_rows<C>(P, kc, vc, bt, it.kh, 0, std::min(kKeyTile, kend), rows_a[0], rows_b[0]);
   for (int k0 = 0, cur = 0; k0 < kend; k0 += kKeyTile, cur ^= 1) {
     const int nk = std::min(kKeyTile, kend - k0);
-    pack_kv<T>(P, rows_a[cur], rows_b[cur], nk, S);
+    if constexpr (std::is_same_v<C, T>) {
+      pack_kv<T>(P, rows_a[cur], rows_b[cur], nk, S);
+    } else {
+#if PAGODA_DPBF16
+      static_assert(std::is_same_v<T, bf16_t> && std::is_same_v<C, f8e5m2_t>, "a one-byte cache takes bf16 q");
+      thread_local std::vector<bf16_t> stage;
+      stage.resize(static_cast<size_t>(2 * kKeyTile) * D);
+      const bf16_t* ka[kKeyTile];
+      const bf16_t* va[kKeyTile];
+      for (int j = 0; j < nk; ++j) {
+        bf16_t* k = stage.data() + static_cast<size_t>(j) * D;
+        bf16_t* v = k + static_cast<size_t>(kKeyTile) * D;
+        f8_values_row(reinterpret_cast<const uint8_t*>(rows_a[cur][j]), k, D);
+        f8_values_row(reinterpret_cast<const uint8_t*>(rows_b[cur][j]), v, D);
+        ka[j] = k;
+        va[j] = v;
+      }
+      pack_kv<T>(P, ka, va, nk, S);
+#endif
+    }
     if (amx && nk < kKeyTile) {  // the tile's unused key pairs enter P @ V on AMX (times P = 0): zeros
       const int nkp = (nk + 1) / 2;
       std::memset(S.vp.data() + static_cast<size_t>(nkp) * D, 0, sizeof(float) * (kKeyTile / 2 - nkp) * D);
     }
     const int nk_next = std::max(0, std::min(kKeyTile, kend - k0 - kKeyTile));
-    if (nk_next) key_rows<T>(P, kc, vc, bt, it.kh, k0 + kKeyTile, nk_next, rows_a[cur ^ 1], rows_b[cur ^ 1]);
+    if (nk_next) key_rows<C>(P, kc, vc, bt, it.kh, k0 + kKeyTile, nk_next, rows_a[cur ^ 1], rows_b[cur ^ 1]);
     int pf_next = 0;
     for (int row0 = 0; row0 < rows_p; row0 += panel) {
       for (int e = std::min(nk_next, pf_next + pf_per_panel); pf_next < e; ++pf_next) {
@@ -2107,8 +2138,8 @@ void prefill_item(const PrefillParams& P, const T* q, const T* kc, const T* vc, 
   }
 }
 
-template <typename T>
-void prefill_impl(const PrefillParams& P, const T* q, const T* kc, const T* vc, T* out, const int32_t* qstart,
+template <typename T, typename C = T>
+void prefill_impl(const PrefillParams& P, const T* q, const C* kc, const C* vc, T* out, const int32_t* qstart,
                   const int32_t* seq_lens, int nseq, int nthreads) {
   const int g = P.g;
   // Query tile: ~128 rows (tokens x the kv head's g q heads).
@@ -2135,7 +2166,7 @@ void prefill_impl(const PrefillParams& P, const T* q, const T* kc, const T* vc, 
     if (amx) amx_configure();
 #endif
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < nitems; ++i) prefill_item<T>(P, q, kc, vc, out, items[i], S, amx);
+    for (int64_t i = 0; i < nitems; ++i) prefill_item<T, C>(P, q, kc, vc, out, items[i], S, amx);
 #if PAGODA_AMX
     if (amx) _tile_release();
 #endif
@@ -2160,7 +2191,7 @@ bool prefill_supported(at::ScalarType dtype) {
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                              const at::Tensor& seq_lens, double scale, at::Tensor& out, int64_t num_threads) {
-  check_paged_inputs("paged_prefill_attention", q, key_cache, value_cache, block_tables, seq_lens);
+  check_paged_inputs("paged_prefill_attention", q, key_cache, value_cache, block_tables, seq_lens, true);
   TORCH_CHECK(prefill_supported(q.scalar_type()), "paged_prefill_attention: dtype ", q.scalar_type(),
               " not supported on this CPU build");
   TORCH_CHECK(q.stride(2) == 1, "q must be [T, H, D] with head_dim contiguous");
@@ -2204,7 +2235,14 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
   P.block_tables = btp;
   P.qscale = static_cast<float>(scale) * kLog2e;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
-  if (q.scalar_type() == at::kFloat) {
+  if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // bf16 q (check_paged_inputs)
+#if PAGODA_DPBF16
+    prefill_impl<bf16_t, f8e5m2_t>(P, static_cast<const bf16_t*>(q.data_ptr()),
+                                   static_cast<const f8e5m2_t*>(key_cache.data_ptr()),
+                                   static_cast<const f8e5m2_t*>(value_cache.data_ptr()),
+                                   static_cast<bf16_t*>(out.data_ptr()), qs, sl, static_cast<int>(B), nthreads);
+#endif
+  } else if (q.scalar_type() == at::kFloat) {
     prefill_impl<float>(P, q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
                         out.data_ptr<float>(), qs, sl, static_cast<int>(B), nthreads);
   } else {
