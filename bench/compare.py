@@ -281,6 +281,8 @@ def engine_command(engine: str, args) -> tuple[str, list[str], dict]:
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     if engine in ("pagoda", "vllm") and args.num_speculative_tokens:
         cmd += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    if engine in ("pagoda", "vllm") and args.kv_cache_dtype:
+        cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     if engine in ("pagoda", "vllm") and args.temperature > 0:
         cmd += ["--temperature", str(args.temperature), "--top-p", str(args.top_p), "--top-k", str(args.top_k)]
     for name in ("logprobs", "prompt_logprobs"):
@@ -371,6 +373,9 @@ def main() -> int:
     ap.add_argument("--prompt-logprobs", type=int, default=None,
                     help="Pagoda and vLLM alike: every request asks for its prompt tokens' logprobs and this many "
                          "top ones")
+    ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e5m2"],
+                    help="Pagoda's and vLLM's kv_cache_dtype (default: each engine's own, the model dtype); "
+                         "fp8_e5m2: one byte a K/V value, rows not judged against the targets")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--repeat", type=int, default=1, help="run the engine list this many times, round-robin")
     args = ap.parse_args()
@@ -465,7 +470,9 @@ def main() -> int:
     settings = ", ".join(([f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"]
                           if args.temperature > 0 else [])
                          + [f"{name} {getattr(args, name)}" for name in ("logprobs", "prompt_logprobs", "max_num_seqs")
-                            if getattr(args, name) is not None]) or None
+                            if getattr(args, name) is not None]
+                         + ([f"kv_cache_dtype {args.kv_cache_dtype}"]
+                            if args.kv_cache_dtype not in (None, "auto") else [])) or None
     for line in closing_lines(pagoda, results, args.dtype, (digest, digest_end), bool(args.num_speculative_tokens),
                               settings):
         print(line)

@@ -132,6 +132,8 @@ def run_pagoda(args, requests) -> dict:
         opts["block_size"] = args.block_size
     if getattr(args, "cpu_f32_gemm", None) is not None:
         opts["cpu_f32_gemm"] = args.cpu_f32_gemm
+    if getattr(args, "kv_cache_dtype", None):
+        opts["kv_cache_dtype"] = args.kv_cache_dtype
     llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, matmul_dtype=args.matmul_dtype, **opts)
     engine = llm.llm_engine
     if getattr(args, "python_layers", False):
@@ -149,7 +151,8 @@ def run_pagoda(args, requests) -> dict:
     warm_up_pagoda(engine, requests)
     res = drive(engine, pagoda_adder(engine, args.detokenize, sampling_fields(args)), requests)
     ours = ", Pagoda's GEMMs" if engine.runner.bf16_gemm or engine.runner.f32_gemm else ""
-    res["engine"] = f"pagoda (matmul {str(engine.runner.matmul_dtype).removeprefix('torch.')}{ours})"
+    kv = f", KV {args.kv_cache_dtype}" if getattr(args, "kv_cache_dtype", None) not in (None, "auto") else ""
+    res["engine"] = f"pagoda (matmul {str(engine.runner.matmul_dtype).removeprefix('torch.')}{ours}{kv})"
     if args.num_speculative_tokens:
         res["engine"] += f" + ngram spec {args.num_speculative_tokens}"
         res["draft_tokens"] = engine.scheduler.num_draft_tokens
@@ -170,6 +173,8 @@ def run_vllm(args, requests) -> dict:
     if args.num_speculative_tokens:
         opts["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                                       "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    if getattr(args, "kv_cache_dtype", None):
+        opts["kv_cache_dtype"] = args.kv_cache_dtype
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=0,
         **opts))
@@ -186,6 +191,8 @@ def run_vllm(args, requests) -> dict:
         engine.step()
     res = drive(engine, add, requests)
     res["engine"] = f"vllm {vllm.__version__}"
+    if getattr(args, "kv_cache_dtype", None) not in (None, "auto"):
+        res["engine"] += f" (KV {args.kv_cache_dtype})"
     if args.num_speculative_tokens:
         res["engine"] += f" + ngram spec {args.num_speculative_tokens}"
     return res
@@ -259,6 +266,8 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=None, help="pagoda: KV block size (default: the engine's)")
     ap.add_argument("--matmul-dtype", default="auto", help="pagoda: EngineConfig.matmul_dtype")
+    ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e5m2"],
+                    help="pagoda, vllm: kv_cache_dtype (default: the engine's own, the model dtype)")
     ap.add_argument("--cpu-f32-gemm", action=argparse.BooleanOptionalAction, default=None,
                     help="pagoda: EngineConfig.cpu_f32_gemm (default: the engine's choice for this CPU)")
     ap.add_argument("--num-speculative-tokens", type=int, default=0,

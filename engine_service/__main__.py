@@ -73,6 +73,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--cpu-f32-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="float32 weights: the decoder layers' GEMMs on Pagoda's own FMA kernel (AVX-512 or AVX2) "
                         "with silu*up and rotary + KV write fused (default: on wherever the CPU has AVX2 and FMA)")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2"],
+                   help="fp8_e5m2: one byte a K/V value (half the attention reads, twice the tokens a budget holds)")
     e.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     e.add_argument("--swap-space-bytes", type=parse_bytes, default=1 << 30)
     e.add_argument("--seed", type=int, default=0)
@@ -132,7 +134,7 @@ ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tok
                   "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
                   "enable_chunked_prefill", "preemption_mode", "swap_space_bytes", "seed", "device",
                   "attention_backend", "kv_cache_prefault", "cpu_bf16_gemm", "cpu_f32_gemm", "num_speculative_tokens",
-                  "prompt_lookup_max", "prompt_lookup_min")
+                  "prompt_lookup_max", "prompt_lookup_min", "kv_cache_dtype")
 
 
 def serve(args: argparse.Namespace) -> None:

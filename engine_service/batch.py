@@ -234,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None, help="CPU KV budget, e.g. 4GiB")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2"],
+                   help="fp8_e5m2: one byte a K/V value (half the attention reads, twice the tokens a budget holds)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--device", default="cpu")
     return ap
@@ -253,7 +255,8 @@ def make_backend(args: argparse.Namespace):
 
     config = EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed, device=args.device)
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype,
+                          seed=args.seed, device=args.device)
     return LocalBackend(LLMEngine(config), args.max_in_flight), default_model_name(args.model)
 
 

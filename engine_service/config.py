@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_CACHE_DTYPES = {"fp8_e5m2": torch.float8_e5m2}
 
 
 def cpu_has_bf16_dot() -> bool:
@@ -59,6 +60,13 @@ class EngineConfig:
     # workload the first-touch faults cost ~4 s of a 54 s run (bench/RESULTS.md). Costs ~1 s per GiB
     # of KV budget at start-up and commits that memory at once.
     kv_cache_prefault: bool = True
+    # dtype of the paged KV cache, vLLM's kv_cache_dtype: "auto" = the model dtype; "fp8_e5m2" = one
+    # byte a value (float8_e5m2: 5 exponent bits, 2 mantissa bits, values as torch's conversion
+    # rounds them, subnormals read as zero): half the bytes a decode step's attention reads and
+    # twice the tokens a KV budget holds, at 2 mantissa bits. Output is then no longer
+    # token-identical to transformers (the kernels give what a bf16 cache of the codes' values
+    # gives). A bfloat16 model on a CPU with AVX512-BF16 (Pagoda's C++ kernels read it).
+    kv_cache_dtype: str = "auto"
     # CPU with AVX512-BF16 or AMX-BF16, bf16 model: the decoder layers' GEMMs on Pagoda's own
     # kernels (kernels/csrc/cpu_ops.cpp: AMX tiles through torch's brgemm micro-kernel, else
     # AVX512-BF16 dot products), with silu * up and rotary + K/V cache write fused into the gate/up
@@ -121,6 +129,12 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' (the model dtype) or one of {sorted(_KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and (self.device != "cpu" or self.dtype != "bfloat16"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} needs device 'cpu' and dtype 'bfloat16' "
+                             f"(Pagoda's CPU kernels read it), got device {self.device!r} and dtype {self.dtype!r}")
         if self.attention_backend not in ("cpu", "torch", "triton", "auto"):
             raise ValueError(f"attention_backend must be 'cpu', 'torch', 'triton' or 'auto', "
                              f"got {self.attention_backend!r}")
@@ -145,6 +159,10 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def torch_kv_cache_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else _KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     @property
     def torch_matmul_dtype(self) -> torch.dtype:

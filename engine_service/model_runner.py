@@ -20,6 +20,7 @@ from engine_service.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_service.scheduler import SchedulerOutput
 from engine_service.sequence import Request, Sequence
 from pagoda_kernels.attention import AttentionMetadata, get_attention_backend
+from pagoda_kernels.cpu_attention import decode_supports_f8
 from pagoda_kernels.layer_ops import get_layer_ops
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class PromptLogprobs:
 
 def kv_bytes_per_block(model_config, config: EngineConfig) -> int:
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    elem = torch.empty((), dtype=config.torch_dtype).element_size()
+    elem = torch.empty((), dtype=config.torch_kv_cache_dtype).element_size()
     return 2 * model_config.num_hidden_layers * config.block_size * model_config.num_key_value_heads * head_dim * elem
 
 
@@ -102,8 +103,14 @@ class ModelRunner:
         head_dim = self.model.layers[0].self_attn.head_dim
         shape = (model_config.num_hidden_layers, 2, config.num_kv_blocks, config.block_size,
                  model_config.num_key_value_heads, head_dim)
+        self.kv_cache_dtype = config.torch_kv_cache_dtype
+        if self.kv_cache_dtype != self.dtype and not (self.attn.name == "cpu" and decode_supports_f8()
+                                                      and self.layer_ops.reads_one_byte_cache):
+            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} needs Pagoda's C++ attention and layer "
+                             f"kernels on a CPU with AVX512-BF16 (this one: attention backend "
+                             f"{self.attn.name!r}, one-byte cache reads {decode_supports_f8()})")
         # torch.empty: pages are committed on first write (unless kv_cache_prefault writes them all now).
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
         self.kv_cache_huge_pages = False
         if self.device.type == "cpu" and config.kv_cache_prefault:
             # Huge pages where the kernel has them (faulted in here, 2 MiB at a time), then every page
@@ -111,7 +118,7 @@ class ModelRunner:
             self.kv_cache_huge_pages = cpu_malloc.advise_huge_pages(self.kv_cache)
             self.kv_cache.zero_()
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
-        self.swap_cache = (torch.empty((*shape[:2], config.num_swap_blocks, *shape[3:]), dtype=self.dtype)
+        self.swap_cache = (torch.empty((*shape[:2], config.num_swap_blocks, *shape[3:]), dtype=self.kv_cache_dtype)
                            if config.num_swap_blocks else None)
         self.sampler = Sampler(self.vocab_size, eos_token_ids, argmax=self.layer_ops.argmax,
                                sample=self.layer_ops.sample, logprobs=self.layer_ops.logprobs)

@@ -116,7 +116,8 @@ def test_step_budget_goes_to_pagoda_and_vllm_only(compare, tmp_path, monkeypatch
     monkeypatch.setattr("engine_service.model_loader.resolve_model_dir", lambda name: "/model")  # no GGUF conversion
     args = compare.argparse.Namespace(dtype="bfloat16", workload="W", hf_workload="W-small", matmul_dtype=None,
                                       num_speculative_tokens=0, max_num_batched_tokens=4096, max_num_seqs=1,
-                                      temperature=0.0, top_p=1.0, top_k=0, logprobs=None, prompt_logprobs=None)
+                                      temperature=0.0, top_p=1.0, top_k=0, logprobs=None, prompt_logprobs=None,
+                                      kv_cache_dtype=None)
     for engine in ("pagoda", "vllm", "hf-single"):
         py, cmd, env = compare.engine_command(engine, args)
         budget = cmd[cmd.index("--max-num-batched-tokens") + 1] if "--max-num-batched-tokens" in cmd else None
@@ -140,6 +141,13 @@ def test_step_budget_goes_to_pagoda_and_vllm_only(compare, tmp_path, monkeypatch
             assert cmd[i:i + 6] == ["--temperature", "0.8", "--top-p", "0.95", "--top-k", "40"], (engine, cmd)
             assert cmd[cmd.index("--logprobs") + 1] == "0", (engine, cmd)
             assert cmd[cmd.index("--prompt-logprobs") + 1] == "2", (engine, cmd)
+    # A one-byte KV cache reaches both engines alike (vLLM's kv_cache_dtype), and no other.
+    assert "--kv-cache-dtype" not in plain
+    args.kv_cache_dtype = "fp8_e5m2"
+    for engine in ("pagoda", "vllm", "hf-single"):
+        cmd = compare.engine_command(engine, args)[1]
+        kv = cmd[cmd.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in cmd else None
+        assert kv == (None if engine == "hf-single" else "fp8_e5m2"), (engine, cmd)
 
 
 @pytest.mark.parametrize("option,value,message", [("--temperature", "-0.5", "--temperature must be >= 0"),
