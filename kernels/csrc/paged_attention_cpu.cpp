@@ -578,24 +578,31 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
       for (int p = npairs; p < nfill; ++p) tmp[r * kSpan + p] = vzero();
     return;
   }
-  if constexpr (F8) {  // one token a vector, as the bf16 path below
-    static_assert(std::is_same_v<T, bf16_t>, "a one-byte cache is read with bf16 queries");
+  if constexpr (std::is_same_v<T, bf16_t>) {  // one token a vector
     (void)qf;
     const int nc = D / 32;
     for (int t = 0; t < n; ++t) {
       for (int kh = 0; kh < nkv; ++kh) {
         if (kpc && kpc[t]) prefetch_range_l2(kpc[t] + kh * A.ks2, A.pf_bytes);
-        const uint8_t* kp = krc[t] + kh * A.ks2;
+        const CE* kp = krc[t] + kh * A.ks2;
         const bf16_t* qh = qraw + static_cast<size_t>(kh) * g * D;
         __m512 part[NH];
         for (int j = 0; j < NH; ++j) part[j] = _mm512_setzero_ps();
         for (int c = 0; c < nc; ++c) {
-          const __m512bh kv = (__m512bh)f8_load32(kp + c * 32);
+          __m512bh kv;
+          if constexpr (F8)
+            kv = (__m512bh)f8_load32(kp + c * 32);
+          else
+            kv = (__m512bh)_mm512_loadu_si512(kp + c * 32);
           for (int j = 0; j < NH; ++j)
             part[j] = _mm512_dpbf16_ps(part[j], (__m512bh)_mm512_loadu_si512(qh + j * D + c * 32), kv);
         }
         if (D % 32) {  // D % 32 == 16: one half-width chunk
-          const __m512bh kv = (__m512bh)_mm512_zextsi256_si512(f8_load16(kp + nc * 32));
+          __m512bh kv;
+          if constexpr (F8)
+            kv = (__m512bh)_mm512_zextsi256_si512(f8_load16(kp + nc * 32));
+          else
+            kv = (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, kp + nc * 32);
           for (int j = 0; j < NH; ++j)
             part[j] = _mm512_dpbf16_ps(part[j], (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, qh + j * D + nc * 32), kv);
         }
@@ -616,27 +623,6 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
     for (int kh = 0; kh < nkv; ++kh) {
       if (kpf && kpf[t]) prefetch_range_l2(kpf[t] + kh * A.ks2, A.pf_bytes);
       const T* kp = krow[t] + kh * A.ks2;
-#if PAGODA_DPBF16
-      if constexpr (std::is_same_v<T, bf16_t>) {
-        (void)qf;
-        const bf16_t* qh = qraw + static_cast<size_t>(kh) * g * D;
-        const int nc = D / 32;
-        __m512 part[NH];
-        for (int j = 0; j < NH; ++j) part[j] = _mm512_setzero_ps();
-        for (int c = 0; c < nc; ++c) {
-          const __m512bh kv = (__m512bh)_mm512_loadu_si512(kp + c * 32);
-          for (int j = 0; j < NH; ++j)
-            part[j] = _mm512_dpbf16_ps(part[j], (__m512bh)_mm512_loadu_si512(qh + j * D + c * 32), kv);
-        }
-        if (D % 32) {  // D % 32 == 16: one half-width chunk
-          const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, kp + nc * 32);
-          for (int j = 0; j < NH; ++j)
-            part[j] = _mm512_dpbf16_ps(part[j], (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, qh + j * D + nc * 32), kv);
-        }
-        for (int j = 0; j < NH; ++j) tmp[(kh * NH + j) * kSpan + t].v = part[j];
-        continue;
-      }
-#endif
       (void)qraw;
       const float* qh = qf + static_cast<size_t>(kh) * g * D;
       V16 part[NH];
