@@ -65,8 +65,10 @@ class EngineConfig:
     # rounds them, subnormals read as zero): half the bytes a decode step's attention reads and
     # twice the tokens a KV budget holds, at 2 mantissa bits. Output is then no longer
     # token-identical to transformers (the kernels give what a bf16 cache of the codes' values
-    # gives) and drifts early: bench/kv_fp8_agreement.py, bench/RESULTS.md. A bfloat16 model on a
-    # CPU with AVX512-BF16 (Pagoda's C++ kernels read it).
+    # gives) and drifts early: bench/kv_fp8_agreement.py, bench/RESULTS.md; a request preempted
+    # and recomputed (preemption_mode "recompute") may continue differently, where a recomputed
+    # K/V value rounds to another code ("swap" keeps the codes). A bfloat16 model on a CPU with
+    # AVX512-BF16 (Pagoda's C++ kernels read it).
     kv_cache_dtype: str = "auto"
     # CPU with AVX512-BF16 or AMX-BF16, bf16 model: the decoder layers' GEMMs on Pagoda's own
     # kernels (kernels/csrc/cpu_ops.cpp: AMX tiles through torch's brgemm micro-kernel, else

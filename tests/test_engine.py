@@ -835,3 +835,27 @@ def test_one_byte_kv_cache_holds_twice_the_tokens_and_each_rows_own_tokens(bundl
     assert together == alone and all(len(t) == 10 for t in together)
     drafted = LLM(bundled_dir, kv_cache_dtype="fp8_e5m2", num_speculative_tokens=3, **opts)
     assert [o.outputs[0].token_ids for o in drafted.generate(batch, greedy, use_tqdm=False)] == together
+
+
+def test_one_byte_kv_cache_swaps_out_and_back_as_its_codes(bundled_dir, prompts):
+    """With preemption_mode="swap" a one-byte cache's blocks go to host memory and back as their
+    codes (the swap space in the cache's dtype): a pool of 5 blocks preempts the batch many times,
+    and every request's greedy tokens are what it gets alone. (Recompute regenerates K/V through the
+    prefill kernel, whose bits differ from decode's now and then, and a one-byte code can round the
+    other way: such a request may continue differently, as with any lossy cache.)"""
+    from pagoda_kernels.cpu_attention import decode_supports_f8
+
+    opts = dict(kv_cache_dtype="fp8_e5m2", max_model_len=256, max_num_batched_tokens=64, seed=0)
+    block = 2 * 30 * 64 * 3 * 64  # bytes of one block of the bundled model's codes
+    if not decode_supports_f8():
+        with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' needs"):
+            LLM(bundled_dir, preemption_mode="swap", kv_cache_memory_bytes=5 * block, **opts)
+        return
+    swapping = LLM(bundled_dir, preemption_mode="swap", kv_cache_memory_bytes=5 * block, **opts)
+    assert swapping.llm_engine.runner.swap_cache.dtype == torch.float8_e5m2
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    batch = [{"prompt_token_ids": p[:70]} for p in prompts[:4]]
+    got = [o.outputs[0].token_ids for o in swapping.generate(batch, greedy, use_tqdm=False)]
+    assert swapping.llm_engine.scheduler.num_preemptions > 0
+    roomy = LLM(bundled_dir, **opts)
+    assert got == [roomy.generate(b, greedy, use_tqdm=False)[0].outputs[0].token_ids for b in batch]
