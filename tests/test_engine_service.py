@@ -681,9 +681,15 @@ def test_serve_options_come_from_the_command_line_or_pagoda_variables(monkeypatc
     monkeypatch.setenv("PAGODA_PORT", "6000")
     monkeypatch.setenv("PAGODA_KV_CACHE_MEMORY_BYTES", "512MiB")
     monkeypatch.setenv("PAGODA_ENABLE_PREFIX_CACHING", "false")
+    monkeypatch.setenv("PAGODA_KV_CACHE_DTYPE", "fp8_e5m2")
     args = build_parser().parse_args(["serve", "--port", "7000", "--max-num-seqs", "8"])
     assert (args.model, args.port, args.max_num_seqs) == ("/models/x.gguf", 7000, 8)
     assert args.kv_cache_memory_bytes == 512 << 20 and args.enable_prefix_caching is False
+    # Every engine option reaches EngineConfig under its own name (serve builds it so).
+    from engine_service.__main__ import ENGINE_OPTIONS
+    config = EngineConfig(model=args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})
+    assert (config.kv_cache_dtype, config.max_num_seqs, config.enable_prefix_caching) == ("fp8_e5m2", 8, False)
+    assert build_parser().parse_args(["serve", "--kv-cache-dtype", "auto"]).kv_cache_dtype == "auto"
     monkeypatch.setenv("PAGODA_DTYPE", "float64")
     with pytest.raises(SystemExit):
         build_parser()
