@@ -74,8 +74,9 @@ def main() -> int:
         share.append(i / len(a))
     n = len(requests)
     engine = "vLLM-CPU" if args.vllm else "Pagoda"
-    print(f"{engine}, {'32 English instructions' if args.text else args.workload}, {args.dtype}, greedy: {same} of {n} outputs identical with kv_cache_dtype fp8_e5m2 "
-          f"({100 * same / n:.0f}%)")
+    prompts_name = "32 English instructions" if args.text else args.workload
+    print(f"{engine}, {prompts_name}, {args.dtype}, greedy: {same} of {n} outputs identical with kv_cache_dtype "
+          f"fp8_e5m2 ({100 * same / n:.0f}%)")
     if first:
         print(f"the other {len(first)}: first differing token at index median {statistics.median(first):.0f} "
               f"(min {min(first)}, max {max(first)}), {100 * statistics.median(share):.0f}% of the output's "

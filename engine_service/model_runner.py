@@ -20,7 +20,6 @@ from engine_service.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_service.scheduler import SchedulerOutput
 from engine_service.sequence import Request, Sequence
 from pagoda_kernels.attention import AttentionMetadata, get_attention_backend
-from pagoda_kernels.cpu_attention import decode_supports_f8
 from pagoda_kernels.layer_ops import get_layer_ops
 
 logger = logging.getLogger(__name__)
@@ -104,11 +103,11 @@ class ModelRunner:
         shape = (model_config.num_hidden_layers, 2, config.num_kv_blocks, config.block_size,
                  model_config.num_key_value_heads, head_dim)
         self.kv_cache_dtype = config.torch_kv_cache_dtype
-        if self.kv_cache_dtype != self.dtype and not (self.attn.name == "cpu" and decode_supports_f8()
+        if self.kv_cache_dtype != self.dtype and not (self.attn.reads_cache_dtype(self.kv_cache_dtype, self.dtype)
                                                       and self.layer_ops.reads_one_byte_cache):
             raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} needs Pagoda's C++ attention and layer "
-                             f"kernels on a CPU with AVX512-BF16 (this one: attention backend "
-                             f"{self.attn.name!r}, one-byte cache reads {decode_supports_f8()})")
+                             f"kernels on a CPU with AVX512-BF16 (here: attention backend {self.attn.name!r}, "
+                             f"layer ops {type(self.layer_ops).__name__})")
         # torch.empty: pages are committed on first write (unless kv_cache_prefault writes them all now).
         self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
         self.kv_cache_huge_pages = False

@@ -70,6 +70,11 @@ class TorchAttention:
         """reshape_and_cache: store each new token's K/V [T, kv_heads, head_dim] at its slot."""
         write_kv(key, value, key_cache, value_cache, slot_mapping)
 
+    def reads_cache_dtype(self, cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+        """Whether decode and prefill attend a model of ``dtype`` on caches of ``cache_dtype``: here
+        the model's own only."""
+        return cache_dtype == dtype
+
     def prefill_reads_cache(self, dtype: torch.dtype) -> bool:
         """Whether ``prefill`` reads every key and value from the cache (its ``k`` / ``v`` arguments
         unused, so the caller may write them to the cache only and pass None). Not here: the torch

@@ -242,6 +242,11 @@ class CpuAttention(TorchAttention):
     def prefill_reads_cache(self, dtype: torch.dtype) -> bool:
         return prefill_supported(dtype)
 
+    def reads_cache_dtype(self, cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+        # A one-byte cache (float8_e5m2) with a bf16 model, where the build's kernels read it.
+        one_byte = cache_dtype == torch.float8_e5m2 and dtype == torch.bfloat16 and decode_supports_f8()
+        return one_byte or super().reads_cache_dtype(cache_dtype, dtype)
+
     def prefill_rows_independent(self, dtype: torch.dtype) -> bool:
         # The kernel attends each query row over the same key tiles in the same order, whatever the
         # chunk's other rows (tests/test_engine.py); without it (no AVX2) the torch path runs.
