@@ -68,7 +68,8 @@ class EngineConfig:
     # gives) and drifts early: bench/kv_fp8_agreement.py, bench/RESULTS.md; a request preempted
     # and recomputed (preemption_mode "recompute") may continue differently, where a recomputed
     # K/V value rounds to another code ("swap" keeps the codes). A bfloat16 model on a CPU with
-    # AVX512-BF16 (Pagoda's C++ kernels read it).
+    # AVX512-BF16 or AVX2 (Pagoda's C++ kernels read it: bf16 dot products, subnormal codes read as
+    # zero; or widened exactly to float32).
     kv_cache_dtype: str = "auto"
     # CPU with AVX512-BF16 or AMX-BF16, bf16 model: the decoder layers' GEMMs on Pagoda's own
     # kernels (kernels/csrc/cpu_ops.cpp: AMX tiles through torch's brgemm micro-kernel, else

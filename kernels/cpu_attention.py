@@ -165,7 +165,8 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     contiguous); block_tables [B, max_blocks] int32; seq_lens [B] int32, the context length including
     the current token (whose K/V is already in the cache). H must be a multiple of kv_heads; D a
     multiple of 16; float32, bfloat16 or float16, or bfloat16 q with float8_e5m2 caches (one byte a
-    value, where ``decode_supports_f8``; subnormal values read as zero). Returns [B, H, D] in q's dtype
+    value, where ``decode_supports_f8``; subnormal values read as zero where
+    ``decode_f8_flushes_subnormals``, else every code as its value). Returns [B, H, D] in q's dtype
     (``out`` if given). Accumulation is in float32. A sequence of length 0 gets zeros.
     """
     op = _op if _op is not None else load_extension()
@@ -177,10 +178,18 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
 
 
 def decode_supports_f8() -> bool:
-    """Whether this host's build of the decode kernel reads float8_e5m2 caches (bf16 queries; a CPU
-    with AVX512-BF16)."""
+    """Whether this host's build of the decode and prefill kernels reads float8_e5m2 caches (bf16
+    queries; a CPU with AVX512-BF16, or a build for AVX2 + FMA + F16C, which widens the codes to
+    float32)."""
     load_extension()
     return bool(torch.ops.pagoda_cpu.decode_supports_f8())
+
+
+def decode_f8_flushes_subnormals() -> bool:
+    """Whether this build reads subnormal float8_e5m2 codes as zero (the AVX512-BF16 kernels, whose
+    dot products treat subnormal inputs so) rather than as their values (AVX2 builds)."""
+    load_extension()
+    return bool(torch.ops.pagoda_cpu.decode_f8_flushes_subnormals())
 
 
 def prefill_supported(dtype: torch.dtype) -> bool:

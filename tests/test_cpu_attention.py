@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pagoda_kernels.attention import AttentionMetadata, TorchAttention, write_kv
-from pagoda_kernels.cpu_attention import (CpuAttention, build_cpu_flags, decode_supports_f8, load_extension,
+from pagoda_kernels.cpu_attention import (CpuAttention, build_cpu_flags, decode_f8_flushes_subnormals,
+                                          decode_supports_f8, load_extension,
                                           paged_decode_attention, paged_prefill_attention, prefill_supported)
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
@@ -242,10 +243,13 @@ def test_bad_arguments_raise():
 
 
 def e5m2_values(cache: torch.Tensor) -> torch.Tensor:
-    """A float8_e5m2 cache's values as the decode kernel reads them, in bf16: subnormal codes as zero
+    """A float8_e5m2 cache's values as the kernels read them, in bf16 (every e5m2 value is one):
+    subnormal codes as zero where the build's bf16 dot products flush them, else as they are
     (infinities and NaNs stay, so a read of a poisoned slot still shows)."""
-    subnormal = (cache.view(torch.uint8) & 0x7C) == 0
-    return cache.to(torch.bfloat16).masked_fill(subnormal, 0.0)
+    values = cache.to(torch.bfloat16)
+    if not decode_f8_flushes_subnormals():
+        return values
+    return values.masked_fill((cache.view(torch.uint8) & 0x7C) == 0, 0.0)
 
 
 F8_SHAPES = [(9, 3, 64), (4, 4, 64), (12, 1, 64), (8, 2, 128), (4, 2, 80)]
@@ -256,16 +260,18 @@ F8_SHAPES = [(9, 3, 64), (4, 4, 64), (12, 1, 64), (8, 2, 128), (4, 2, 80)]
 def test_one_byte_cache_gives_the_bits_of_a_bf16_cache_of_its_values(op, h, kvh, d, num_threads):
     """bf16 queries on float8_e5m2 caches (vLLM's ``kv_cache_dtype="fp8_e5m2"``: one byte a value)
     give bitwise what the bf16 kernel gives on bf16 caches holding the codes' values (subnormal
-    codes read as zero): every span path (SmolLM2's paired tokens with all kv heads' queries in
+    codes read as zero where the build's dot products flush them; AVX2 builds widen every code
+    exactly): every span path (SmolLM2's paired tokens with all kv heads' queries in
     registers, one token a vector, head_dim 128 and 80 with its half-width chunk, more query heads
     than a pass takes), split contexts, a speculative step's grouped rows and the poisoned slots a
-    wrong read would bring in. Where the build has no vdpbf16ps the op refuses such caches."""
+    wrong read would bring in. Where the build has neither vdpbf16ps nor AVX2 the op refuses such
+    caches."""
     q, kc, vc, bt, sl = make_inputs(LENS + [3000, 0, 1500], h, kvh, d, 16, torch.bfloat16, seed=h + d)
     kc8, vc8 = kc.to(torch.float8_e5m2), vc.to(torch.float8_e5m2)
     kc8.view(torch.uint8)[0, 0, 0, :4] = torch.tensor([0x01, 0x82, 0x03, 0x00], dtype=torch.uint8)  # subnormals
     out = torch.empty_like(q)
     if not decode_supports_f8():
-        with pytest.raises(RuntimeError, match="float8_e5m2 cache needs a CPU with AVX512-BF16"):
+        with pytest.raises(RuntimeError, match="float8_e5m2 cache needs a CPU with AVX512-BF16 or a build for AVX2"):
             op(q, kc8, vc8, bt, sl, 0.125, out, num_threads)
         return
     op(q, kc8, vc8, bt, sl, 0.125, out, num_threads)
@@ -618,16 +624,17 @@ def test_reshape_and_cache_refuses_bad_slots_and_shapes():
 @needs_prefill
 def test_one_byte_cache_prefill_gives_the_bits_of_a_bf16_cache_of_its_values(prefill_op):
     """The prefill kernel on float8_e5m2 caches (each key tile's codes turned into bf16 values
-    first) gives bitwise what it gives on bf16 caches holding the codes' values, subnormal codes as
-    zero: on AMX tiles and on vectors, chunks with and without cached context, the poisoned slots
-    a wrong read would bring in. Where the build has no vdpbf16ps it refuses such caches."""
+    first) gives bitwise what it gives on bf16 caches holding the codes' values as decode reads
+    them: on AMX tiles and on vectors, chunks with and without cached context, the poisoned slots
+    a wrong read would bring in. Where the build has neither vdpbf16ps nor AVX2 it refuses such
+    caches."""
     chunks = PREFILL_CHUNKS + [(300, 90)]
     q, kc, vc, bt, qs, sl = make_prefill_inputs(chunks, 9, 3, 64, 16, torch.bfloat16, seed=5)
     kc8, vc8 = kc.to(torch.float8_e5m2), vc.to(torch.float8_e5m2)
     kc8.view(torch.uint8)[int(bt[0, 0]), 0, 0, :3] = torch.tensor([0x01, 0x83, 0x00], dtype=torch.uint8)
     out = torch.empty_like(q)
     if not decode_supports_f8():
-        with pytest.raises(RuntimeError, match="float8_e5m2 cache needs a CPU with AVX512-BF16"):
+        with pytest.raises(RuntimeError, match="float8_e5m2 cache needs a CPU with AVX512-BF16 or a build for AVX2"):
             prefill_op(q, kc8, vc8, bt, qs, sl, 0.125, out, 2)
         return
     for _ in each_prefill_variant() if torch.bfloat16 in PREFILL_DTYPES else ():

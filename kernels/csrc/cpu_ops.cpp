@@ -416,6 +416,28 @@ inline void e5m2_row(const bf16_t* src, uint8_t* dst, int64_t n) {
     r = _mm512_or_si512(_mm512_and_si512(r, c(0xFF)), _mm512_srli_epi32(sign, 24));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtepi32_epi8(r));
   }
+#elif PAGODA_EW_AVX2
+  // The same steps, 8 lanes (signed compares: the sign bit is cleared).
+  const auto c = [](uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); };
+  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (; i + 8 <= n; i += 8) {
+    const __m256i bits =
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16);
+    const __m256i sign = _mm256_and_si256(bits, c(0x80000000u));
+    const __m256i f = _mm256_xor_si256(bits, sign);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(f, 21), c(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(f, c((uint32_t(15 - 127) << 23) + 0xFFFFF)), odd), 21);
+    const __m256i den = _mm256_sub_epi32(
+        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(f), _mm256_castsi256_ps(c(134u << 23)))), c(134u << 23));
+    r = _mm256_blendv_epi8(r, den, _mm256_cmpgt_epi32(c(113u << 23), f));
+    const __m256i big = _mm256_blendv_epi8(c(0x7C), c(0x7F), _mm256_cmpgt_epi32(f, c(0x7F800000u)));
+    r = _mm256_blendv_epi8(r, big, _mm256_cmpgt_epi32(f, c((143u << 23) - 1)));
+    r = _mm256_or_si256(_mm256_and_si256(r, c(0xFF)), _mm256_srli_epi32(sign, 24));
+    const __m256i b = _mm256_shuffle_epi8(r, low_bytes);  // each 128-bit lane's 4 codes in its low dword
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i),
+                     _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+  }
 #endif
   for (; i < n; ++i) dst[i] = c10::Float8_e5m2(load(src[i])).x;
 }

@@ -90,7 +90,8 @@ constexpr float kExp2Poly[8] = {1.5252733804059841e-05f, 1.5403530393381606e-04f
 using pagoda::bf16_t;
 struct f16_t { uint16_t x; };
 // A one-byte K/V cache element (torch.float8_e5m2: sign, 5 exponent bits, 2 mantissa bits, the top
-// byte of a float16), read by the bf16 decode kernel where it has vdpbf16ps (f8_words).
+// byte of a float16), read by the bf16 decode kernel where it has vdpbf16ps (f8_words), and on AVX2
+// builds widened to float32 exactly through F16C (vload).
 struct f8e5m2_t { uint8_t x; };
 
 inline float to_float(float v) { return v; }
@@ -102,7 +103,7 @@ inline void from_float(float f, bf16_t* dst) { *dst = pagoda::float_to_bf16(f); 
 inline void from_float(float f, f16_t* dst) { dst->x = c10::Half(f).x; }
 
 // ------------------------------------------------------------------------------------------
-// 16-lane float vector: AVX-512 or portable.
+// 16-lane float vector: AVX-512, AVX2 or portable.
 // ------------------------------------------------------------------------------------------
 #if PAGODA_AVX512
 
@@ -192,6 +193,24 @@ inline V16 vload(const bf16_t* p) { return {bf16x8_to_ps(p), bf16x8_to_ps(p + 8)
 inline V16 vload(const f16_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+// 16 e5m2 codes, exactly: interleaved below zero bytes, each code becomes the float16 code << 8,
+// which holds the code's value (subnormals, infinities and NaNs included).
+inline V16 vload(const f8e5m2_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b)),
+          _mm256_cvtph_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), b))};
+}
+// n codes (a multiple of 16) -> their values as bf16 (exact: every e5m2 value is one), what the
+// decode kernel reads: the prefill kernel's rows of a one-byte cache.
+inline void f8_values_row(const uint8_t* src, bf16_t* dst, int n) {
+  for (int i = 0; i < n; i += 16) {
+    const V16 f = vload(reinterpret_cast<const f8e5m2_t*>(src + i));
+    const __m256i w = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(f.lo), 16),
+                                          _mm256_srli_epi32(_mm256_castps_si256(f.hi), 16));
+    // packus interleaves the halves' 128-bit lanes: lo 0-3, hi 0-3, lo 4-7, hi 4-7
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permute4x64_epi64(w, 0xD8));
+  }
 }
 inline void vstore(float* p, V16 a) {
   _mm256_storeu_ps(p, a.lo);
@@ -521,7 +540,8 @@ PAGODA_INLINE float softmax_span(V16* s, int n, float qscale, float& m, V16& lsu
 // queries are held in registers for the whole span (with a runtime kv-head count they were reloaded
 // for every token: a store to tmp may alias them). SmolLM2 shapes, one core, from L2: 1.07x.
 //
-// F8: the K rows are e5m2 codes (f8e5m2_t; T is bf16, qraw scaled by 2^112: f8_words).
+// F8: the K rows are e5m2 codes (f8e5m2_t; T is bf16). vdpbf16ps builds: qraw scaled by 2^112,
+// f8_words; AVX2 builds: the codes widened to their float values, against qf.
 template <typename T, int NH, int DT, int NKV, bool F8 = false>
 PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw, V16* tmp) {
   const int D = DT ? DT : A.D;
@@ -614,15 +634,15 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
       for (int t = n; t < nfill; ++t) tmp[r * kSpan + t] = vzero();
     return;
   }
-#else
-  static_assert(!F8, "a one-byte cache needs vdpbf16ps");
 #endif
-  const T* const* krow = reinterpret_cast<const T* const*>(A.krow);
-  const T* const* kpf = reinterpret_cast<const T* const*>(A.kpf);
+  // The cache element: T's, or an e5m2 code (AVX2 builds: vload widens it exactly).
+  using KC = std::conditional_t<F8, f8e5m2_t, T>;
+  const KC* const* krow = reinterpret_cast<const KC* const*>(A.krow);
+  const KC* const* kpf = reinterpret_cast<const KC* const*>(A.kpf);
   for (int t = 0; t < n; ++t) {
     for (int kh = 0; kh < nkv; ++kh) {
       if (kpf && kpf[t]) prefetch_range_l2(kpf[t] + kh * A.ks2, A.pf_bytes);
-      const T* kp = krow[t] + kh * A.ks2;
+      const KC* kp = krow[t] + kh * A.ks2;
       (void)qraw;
       const float* qh = qf + static_cast<size_t>(kh) * g * D;
       V16 part[NH];
@@ -642,16 +662,18 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
 // ------------------------------------------------------------------------------------------
 // Decode: one span of up to kSpan tokens for the item (see SpanArgs). Scores kept in the log2
 // domain (qscale = scale * log2(e)); acc: unnormalized output accumulators, m: running max, lsum:
-// 16-lane partial running sums. DT: head_dim known at compile time (0: use A.D).
+// 16-lane partial running sums. DT: head_dim known at compile time (0: use A.D). F8: the caches hold
+// e5m2 codes, read as their exact values (AVX2 builds; vdpbf16ps builds use attend_span_bf16).
 // ------------------------------------------------------------------------------------------
-template <typename T, int NH, int DT>
+template <typename T, int NH, int DT, bool F8 = false>
 void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, float* m, V16* lsum, V16* tmp) {
+  using VC = std::conditional_t<F8, f8e5m2_t, T>;
   const int D = DT ? DT : A.D;
   const int nc = D / kTile;
   const int n = A.n, g = A.g;
-  const T* const* vrow = reinterpret_cast<const T* const*>(A.vrow);
-  const T* const* vpf = reinterpret_cast<const T* const*>(A.vpf);
-  span_scores<T, NH, DT, 0>(A, qf, qraw, tmp);
+  const VC* const* vrow = reinterpret_cast<const VC* const*>(A.vrow);
+  const VC* const* vpf = reinterpret_cast<const VC* const*>(A.vpf);
+  span_scores<T, NH, DT, 0, F8>(A, qf, qraw, tmp);
   for (int kh = 0; kh < A.nkv; ++kh) {
     float p[NH][2 * kTile];
     float alpha[NH];
@@ -677,7 +699,7 @@ void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, 
       }
       for (int t = 0; t < n; ++t) {
         if (c == 0 && vpf && vpf[t]) prefetch_range_l2(vpf[t] + kh * A.vs2, A.pf_bytes);
-        const T* vr = vrow[t] + kh * A.vs2 + c * kTile;
+        const VC* vr = vrow[t] + kh * A.vs2 + c * kTile;
         for (int j = 0; j < NH; ++j) {
           const V16 pj = vset1(p[j][t]);
           a[j] = vfma(pj, vload(vr), a[j]);
@@ -833,7 +855,7 @@ inline int acc_perm_index(int d, int D, bool permuted) {
 template <typename T>
 using SpanFn = void (*)(const SpanArgs&, const float*, const T*, float*, float*, V16*, V16*);
 
-// F8: for a one-byte cache (f8e5m2_t; bf16 queries, vdpbf16ps builds only).
+// F8: for a one-byte cache (f8e5m2_t; bf16 queries, vdpbf16ps and AVX2 builds).
 template <typename T, int DT, bool F8 = false>
 SpanFn<T> span_fn_d(int nh) {
 #if PAGODA_DPBF16
@@ -850,20 +872,15 @@ SpanFn<T> span_fn_d(int nh) {
     }
   }
 #endif
-  if constexpr (F8) {  // (only vdpbf16ps builds instantiate it, with bf16 queries: returned above)
-    (void)nh;
-    return nullptr;
-  } else {
-    switch (nh) {
-      case 1: return attend_span<T, 1, DT>;
-      case 2: return attend_span<T, 2, DT>;
-      case 3: return attend_span<T, 3, DT>;
-      case 4: return attend_span<T, 4, DT>;
-      case 5: return attend_span<T, 5, DT>;
-      case 6: return attend_span<T, 6, DT>;
-      case 7: return attend_span<T, 7, DT>;
-      default: return attend_span<T, 8, DT>;
-    }
+  switch (nh) {
+    case 1: return attend_span<T, 1, DT, F8>;
+    case 2: return attend_span<T, 2, DT, F8>;
+    case 3: return attend_span<T, 3, DT, F8>;
+    case 4: return attend_span<T, 4, DT, F8>;
+    case 5: return attend_span<T, 5, DT, F8>;
+    case 6: return attend_span<T, 6, DT, F8>;
+    case 7: return attend_span<T, 7, DT, F8>;
+    default: return attend_span<T, 8, DT, F8>;
   }
 }
 
@@ -1306,8 +1323,11 @@ void decode_impl(const Params& P, const T* q, const C* kc, const C* vc, T* out, 
 
 // What both entry points require of the caches and of the step's tables (q [., H, D] is checked by
 // each for its own layout); the block ids themselves are checked by check_block_ids.
-// Whether this build's decode and prefill kernels read a one-byte (float8_e5m2) cache with bf16 queries.
-bool decode_supports_f8() { return PAGODA_DPBF16; }
+// Whether this build's decode and prefill kernels read a one-byte (float8_e5m2) cache with bf16 queries:
+// with vdpbf16ps (subnormal codes read as zero), or on AVX2 panels in float32 (every code exactly).
+bool decode_supports_f8() { return PAGODA_DPBF16 || PAGODA_AVX2; }
+// Whether they read subnormal codes as zero (vdpbf16ps builds), rather than as their values.
+bool decode_f8_flushes_subnormals() { return PAGODA_DPBF16; }
 
 void check_paged_inputs(const char* name, const at::Tensor& q, const at::Tensor& key_cache,
                         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -1320,7 +1340,7 @@ void check_paged_inputs(const char* name, const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), name, ": key_cache and value_cache must share a dtype");
   if (one_byte_cache && key_cache.scalar_type() == at::kFloat8_e5m2) {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, name, ": a float8_e5m2 cache takes bfloat16 q, got ", q.scalar_type());
-    TORCH_CHECK(decode_supports_f8(), name, ": a float8_e5m2 cache needs a CPU with AVX512-BF16");
+    TORCH_CHECK(decode_supports_f8(), name, ": a float8_e5m2 cache needs a CPU with AVX512-BF16 or a build for AVX2");
   } else {
     TORCH_CHECK(key_cache.scalar_type() == q.scalar_type(), name, ": q and the caches must have the same dtype",
                 one_byte_cache ? " (or bfloat16 q with float8_e5m2 caches)" : "", ", got ", q.scalar_type(), " and ",
@@ -1390,7 +1410,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
 
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
   if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // bf16 q (check_paged_inputs)
-#if PAGODA_DPBF16
+#if PAGODA_DPBF16 || PAGODA_AVX2
     decode_impl<bf16_t, f8e5m2_t>(P, static_cast<const bf16_t*>(q.data_ptr()),
                                   static_cast<const f8e5m2_t*>(key_cache.data_ptr()),
                                   static_cast<const f8e5m2_t*>(value_cache.data_ptr()),
@@ -2065,7 +2085,7 @@ void prefill_item(const PrefillParams& P, const T* q, const C* kc, const C* vc, 
     if constexpr (std::is_same_v<C, T>) {
       pack_kv<T>(P, rows_a[cur], rows_b[cur], nk, S);
     } else {
-#if PAGODA_DPBF16
+#if PAGODA_DPBF16 || PAGODA_AVX2
       static_assert(std::is_same_v<T, bf16_t> && std::is_same_v<C, f8e5m2_t>, "a one-byte cache takes bf16 q");
       thread_local std::vector<bf16_t> stage;
       stage.resize(static_cast<size_t>(2 * kKeyTile) * D);
@@ -2074,7 +2094,7 @@ void prefill_item(const PrefillParams& P, const T* q, const C* kc, const C* vc, 
       for (int j = 0; j < nk; ++j) {
         bf16_t* k = stage.data() + static_cast<size_t>(j) * D;
         bf16_t* v = k + static_cast<size_t>(kKeyTile) * D;
-        f8_values_row(reinterpret_cast<const uint8_t*>(rows_a[cur][j]), k, D);
+        f8_values_row(reinterpret_cast<const uint8_t*>(rows_a[cur][j]), k, D);  // as decode reads them
         f8_values_row(reinterpret_cast<const uint8_t*>(rows_b[cur][j]), v, D);
         ka[j] = k;
         va[j] = v;
@@ -2222,7 +2242,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
   P.qscale = static_cast<float>(scale) * kLog2e;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
   if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // bf16 q (check_paged_inputs)
-#if PAGODA_DPBF16
+#if PAGODA_DPBF16 || PAGODA_AVX2
     prefill_impl<bf16_t, f8e5m2_t>(P, static_cast<const bf16_t*>(q.data_ptr()),
                                    static_cast<const f8e5m2_t*>(key_cache.data_ptr()),
                                    static_cast<const f8e5m2_t*>(value_cache.data_ptr()),
@@ -2280,6 +2300,7 @@ TORCH_LIBRARY(pagoda_cpu, m) {
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
   m.def("has_avx512() -> bool", TORCH_FN(has_avx512));
   m.def("decode_supports_f8() -> bool", TORCH_FN(decode_supports_f8));
+  m.def("decode_f8_flushes_subnormals() -> bool", TORCH_FN(decode_f8_flushes_subnormals));
   m.def(
       "paged_prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor(a!) out, int num_threads) -> ()");
