@@ -41,7 +41,7 @@ def main() -> int:
     from pagoda_kernels.cpu_attention import decode_supports_f8, paged_decode_attention
 
     if not decode_supports_f8():
-        print("this CPU's decode kernel has no one-byte cache (it needs AVX512-BF16)")
+        print("this build's decode kernel has no one-byte cache (it needs AVX512-BF16 or AVX2)")
         return 1
     kernel_bench.MIN_CACHE_BYTES = args.cache_mb << 20
     baseline = kernel_bench.load_cpu_baseline(args.baseline) if args.baseline else None
