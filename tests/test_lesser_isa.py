@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import subprocess
+import sysconfig
 import sys
 from pathlib import Path
 
@@ -60,3 +61,38 @@ def test_an_unknown_march_is_a_clear_error_before_any_build():
                          env=env, cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("ValueError PAGODA_CPU_MARCH='no-such-cpu'"), run.stdout
+
+
+# -march targets whose paths a host may lack, each with a set of macros it must define (so a
+# compiler that quietly drops one is noticed): AMX with AVX512-BF16 and VBMI, AVX512-BF16 without
+# VBMI, AVX-512 without BF16, AVX2 + FMA + F16C.
+EVERY_BUILD = [pytest.param("sapphirerapids", ["__AMX_BF16__", "__AVX512BF16__", "__AVX512VBMI__"], id="amx"),
+               pytest.param("cooperlake", ["__AVX512BF16__"], id="avx512-bf16"),
+               pytest.param("skylake-avx512", ["__AVX512F__"], id="avx512-no-bf16"),
+               pytest.param("haswell", ["__AVX2__", "__FMA__", "__F16C__"], id="avx2-fma")]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the -march targets are x86-64's")
+@pytest.mark.parametrize("march,macros", EVERY_BUILD)
+def test_the_kernels_compile_for_every_cpu_they_have_paths_for(march, macros):
+    """Every instruction set's build of the kernels compiles, templates instantiated
+    (``-fsyntax-only``), on any x86-64 host: a path this host cannot run (AVX-512, AMX on a Zen 2)
+    is still checked to build, so a change made and tested on one kind of CPU cannot leave another's
+    build broken."""
+    from torch.utils.cpp_extension import include_paths
+
+    from pagoda_kernels.cpu_attention import _CSRC, _SOURCES
+
+    defined = subprocess.run(["g++", f"-march={march}", "-dM", "-E", "-x", "c++", "/dev/null"],
+                             capture_output=True, text=True, check=True).stdout
+    assert all(f"#define {m} 1" in defined for m in macros), f"g++ -march={march} lacks one of {macros}"
+    base = ["g++", "-std=c++17", f"-march={march}", "-fopenmp", "-fsyntax-only", f"-I{_CSRC}",
+            "-DTORCH_EXTENSION_NAME=pagoda_syntax_check", "-DTORCH_API_INCLUDE_EXTENSION_H",
+            *(f"-isystem{p}" for p in include_paths()), f"-isystem{sysconfig.get_paths()['include']}"]
+    runs = [subprocess.Popen([*base, str(src)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for src in _SOURCES]
+    for src, run in zip(_SOURCES, runs):
+        out = run.communicate()[0]
+        errors = [line for line in out.splitlines() if "error" in line]
+        assert run.returncode == 0 and not errors, f"{src.name} does not compile for -march={march}:\n" + \
+            "\n".join(errors[:20])

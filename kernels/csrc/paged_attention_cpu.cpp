@@ -633,30 +633,32 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
     for (int r = 0; r < nkv * NH; ++r)
       for (int t = n; t < nfill; ++t) tmp[r * kSpan + t] = vzero();
     return;
-  }
+  } else  // (the float path below never sees bf16 here, so never codes either)
 #endif
-  // The cache element: T's, or an e5m2 code (AVX2 builds: vload widens it exactly).
-  using KC = std::conditional_t<F8, f8e5m2_t, T>;
-  const KC* const* krow = reinterpret_cast<const KC* const*>(A.krow);
-  const KC* const* kpf = reinterpret_cast<const KC* const*>(A.kpf);
-  for (int t = 0; t < n; ++t) {
-    for (int kh = 0; kh < nkv; ++kh) {
-      if (kpf && kpf[t]) prefetch_range_l2(kpf[t] + kh * A.ks2, A.pf_bytes);
-      const KC* kp = krow[t] + kh * A.ks2;
-      (void)qraw;
-      const float* qh = qf + static_cast<size_t>(kh) * g * D;
-      V16 part[NH];
-      for (int j = 0; j < NH; ++j) part[j] = vzero();
-      for (int c = 0; c < D / kTile; ++c) {
-        V16 kv = vload(kp + c * kTile);
-        for (int j = 0; j < NH; ++j) part[j] = vfma(vload(qh + j * D + c * kTile), kv, part[j]);
+  {
+    // The cache element: T's, or an e5m2 code (AVX2 builds: vload widens it exactly).
+    using KC = std::conditional_t<F8, f8e5m2_t, T>;
+    const KC* const* krow = reinterpret_cast<const KC* const*>(A.krow);
+    const KC* const* kpf = reinterpret_cast<const KC* const*>(A.kpf);
+    for (int t = 0; t < n; ++t) {
+      for (int kh = 0; kh < nkv; ++kh) {
+        if (kpf && kpf[t]) prefetch_range_l2(kpf[t] + kh * A.ks2, A.pf_bytes);
+        const KC* kp = krow[t] + kh * A.ks2;
+        (void)qraw;
+        const float* qh = qf + static_cast<size_t>(kh) * g * D;
+        V16 part[NH];
+        for (int j = 0; j < NH; ++j) part[j] = vzero();
+        for (int c = 0; c < D / kTile; ++c) {
+          V16 kv = vload(kp + c * kTile);
+          for (int j = 0; j < NH; ++j) part[j] = vfma(vload(qh + j * D + c * kTile), kv, part[j]);
+        }
+        for (int j = 0; j < NH; ++j) tmp[(kh * NH + j) * kSpan + t] = part[j];
       }
-      for (int j = 0; j < NH; ++j) tmp[(kh * NH + j) * kSpan + t] = part[j];
     }
+    const int nfill = n <= kTile ? kTile : kSpan;
+    for (int r = 0; r < nkv * NH; ++r)
+      for (int t = n; t < nfill; ++t) tmp[r * kSpan + t] = vzero();
   }
-  const int nfill = n <= kTile ? kTile : kSpan;
-  for (int r = 0; r < nkv * NH; ++r)
-    for (int t = n; t < nfill; ++t) tmp[r * kSpan + t] = vzero();
 }
 
 // ------------------------------------------------------------------------------------------
@@ -870,17 +872,19 @@ SpanFn<T> span_fn_d(int nh) {
       case 7: return attend_span_bf16<7, DT, 0, F8>;
       default: return attend_span_bf16<8, DT, 0, F8>;
     }
-  }
+  } else  // (not instantiated for bf16 here: attend_span reads codes on AVX2 builds only)
 #endif
-  switch (nh) {
-    case 1: return attend_span<T, 1, DT, F8>;
-    case 2: return attend_span<T, 2, DT, F8>;
-    case 3: return attend_span<T, 3, DT, F8>;
-    case 4: return attend_span<T, 4, DT, F8>;
-    case 5: return attend_span<T, 5, DT, F8>;
-    case 6: return attend_span<T, 6, DT, F8>;
-    case 7: return attend_span<T, 7, DT, F8>;
-    default: return attend_span<T, 8, DT, F8>;
+  {
+    switch (nh) {
+      case 1: return attend_span<T, 1, DT, F8>;
+      case 2: return attend_span<T, 2, DT, F8>;
+      case 3: return attend_span<T, 3, DT, F8>;
+      case 4: return attend_span<T, 4, DT, F8>;
+      case 5: return attend_span<T, 5, DT, F8>;
+      case 6: return attend_span<T, 6, DT, F8>;
+      case 7: return attend_span<T, 7, DT, F8>;
+      default: return attend_span<T, 8, DT, F8>;
+    }
   }
 }
 
