@@ -68,8 +68,9 @@ class EngineConfig:
     # gives) and drifts early: bench/kv_fp8_agreement.py, bench/RESULTS.md; a request preempted
     # and recomputed (preemption_mode "recompute") may continue differently, where a recomputed
     # K/V value rounds to another code ("swap" keeps the codes). A bfloat16 model on a CPU with
-    # AVX512-BF16 or AVX2 (Pagoda's C++ kernels read it: bf16 dot products, subnormal codes read as
-    # zero; or widened exactly to float32).
+    # AVX512-BF16 (bf16 dot products, subnormal codes read as zero), or a bfloat16 or float32 model
+    # on a CPU with AVX2 and no AVX-512 (the codes widened exactly to float32): where Pagoda's C++
+    # kernels read it.
     kv_cache_dtype: str = "auto"
     # CPU with AVX512-BF16 or AMX-BF16, bf16 model: the decoder layers' GEMMs on Pagoda's own
     # kernels (kernels/csrc/cpu_ops.cpp: AMX tiles through torch's brgemm micro-kernel, else
@@ -136,9 +137,10 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be 'auto' (the model dtype) or one of {sorted(_KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto" and (self.device != "cpu" or self.dtype != "bfloat16"):
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} needs device 'cpu' and dtype 'bfloat16' "
-                             f"(Pagoda's CPU kernels read it), got device {self.device!r} and dtype {self.dtype!r}")
+        if self.kv_cache_dtype != "auto" and (self.device != "cpu" or self.dtype not in ("bfloat16", "float32")):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} needs device 'cpu' and dtype 'bfloat16' or "
+                             f"'float32' (Pagoda's CPU kernels read it), got device {self.device!r} and dtype "
+                             f"{self.dtype!r}")
         if self.attention_backend not in ("cpu", "torch", "triton", "auto"):
             raise ValueError(f"attention_backend must be 'cpu', 'torch', 'triton' or 'auto', "
                              f"got {self.attention_backend!r}")

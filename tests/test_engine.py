@@ -789,14 +789,15 @@ def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir
 
 def test_kv_cache_dtype_is_checked_naming_the_option():
     """vLLM's kv_cache_dtype: 'auto' or 'fp8_e5m2' (one byte a value); e4m3 and other names are
-    refused, and so is a one-byte cache for a float32 model or off the CPU."""
+    refused, and so is a one-byte cache for a float16 model or off the CPU."""
     assert EngineConfig().torch_kv_cache_dtype == torch.bfloat16
     assert EngineConfig(kv_cache_dtype="fp8_e5m2").torch_kv_cache_dtype == torch.float8_e5m2
     for bad in ("fp8", "fp8_e4m3", "int8", "bfloat16"):
         with pytest.raises(ValueError, match=r"kv_cache_dtype must be 'auto' \(the model dtype\) or one of"):
             EngineConfig(kv_cache_dtype=bad)
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' needs device 'cpu' and dtype 'bfloat16'"):
-        EngineConfig(kv_cache_dtype="fp8_e5m2", dtype="float32")
+    assert EngineConfig(kv_cache_dtype="fp8_e5m2", dtype="float32").torch_kv_cache_dtype == torch.float8_e5m2
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' needs device 'cpu' and dtype 'bfloat16' or 'float32'"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2", dtype="float16")
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' needs device 'cpu'"):
         EngineConfig(kv_cache_dtype="fp8_e5m2", device="cuda")
 
@@ -807,7 +808,7 @@ def test_one_byte_kv_cache_holds_twice_the_tokens_and_each_rows_own_tokens(bundl
     conversion of a bf16 engine's, through the engine's own writers (the QKV GEMM's epilogue in the
     one-call layer stack); a request's greedy tokens are the same alone as in a batch with chunked
     prefill beside decodes and with prompt-lookup drafts. Where the CPU cannot read such a cache
-    (no AVX512-BF16) the engine refuses it, naming the option."""
+    (neither AVX512-BF16 nor an AVX2 build) the engine refuses it, naming the option."""
     from pagoda_kernels.cpu_attention import decode_supports_f8
 
     opts = dict(kv_cache_memory_bytes=64 << 20, max_model_len=1024, enable_prefix_caching=False, seed=0)
@@ -835,6 +836,36 @@ def test_one_byte_kv_cache_holds_twice_the_tokens_and_each_rows_own_tokens(bundl
     assert together == alone and all(len(t) == 10 for t in together)
     drafted = LLM(bundled_dir, kv_cache_dtype="fp8_e5m2", num_speculative_tokens=3, **opts)
     assert [o.outputs[0].token_ids for o in drafted.generate(batch, greedy, use_tqdm=False)] == together
+
+
+def test_one_byte_kv_cache_for_a_float32_model(bundled_dir, prompts):
+    """A float32 model's one-byte cache: four times the blocks of its float32 budget; after a
+    prefill its layer-0 K/V are bitwise torch's conversion of a float32 engine's; a request's greedy
+    tokens are the same alone as in a batch with chunked prefill beside decodes. Where the build
+    cannot read such a cache with float32 queries (AVX2 builds can) the engine refuses it."""
+    from pagoda_kernels.cpu_attention import decode_supports_f8
+
+    opts = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024, enable_prefix_caching=False,
+                seed=0, max_num_batched_tokens=48)
+    if not decode_supports_f8(torch.float32):
+        with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' needs Pagoda's C\\+\\+ attention"):
+            LLM(bundled_dir, kv_cache_dtype="fp8_e5m2", **opts)
+        return
+    fp8, fp32 = LLM(bundled_dir, kv_cache_dtype="fp8_e5m2", **opts), LLM(bundled_dir, **opts)
+    r8, r32 = fp8.llm_engine.runner, fp32.llm_engine.runner
+    assert r8.kv_cache.dtype == torch.float8_e5m2 and r32.kv_cache.dtype == torch.float32
+    assert fp8.llm_engine.config.num_kv_blocks // 4 == fp32.llm_engine.config.num_kv_blocks
+    one = SamplingParams(temperature=0, max_tokens=1)
+    for llm in (fp8, fp32):
+        llm.generate({"prompt_token_ids": prompts[0] * 2}, one, use_tqdm=False)
+    n = r32.kv_cache.shape[2]
+    got = r8.kv_cache[0, :, :n].view(torch.uint8)
+    assert got.any() and torch.equal(got, r32.kv_cache[0].to(torch.float8_e5m2).view(torch.uint8))
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts[:5]]
+    together = [o.outputs[0].token_ids for o in fp8.generate(batch, greedy, use_tqdm=False)]
+    alone = [fp8.generate(b, greedy, use_tqdm=False)[0].outputs[0].token_ids for b in batch]
+    assert together == alone and all(len(t) == 10 for t in together)
 
 
 def test_one_byte_kv_cache_swaps_out_and_back_as_its_codes(bundled_dir, prompts):

@@ -126,9 +126,11 @@ def test_rotary_qkv_to_cache_is_rotary_then_reshape_and_cache(ops, dtype, heads,
 
 def test_one_byte_cache_writers_store_torchs_float8_e5m2_codes(ops):
     """Into a one-byte (float8_e5m2) cache each C++ writer stores what torch's conversion of its
-    bf16 rows gives: reshape_and_cache for every one of the 65536 bf16 bit patterns (subnormals,
-    halfway cases, overflow to infinity, NaN), and rotary_qkv_to_cache its bf16 cache's new rows
-    converted, every other slot untouched."""
+    bf16 or float32 rows gives: reshape_and_cache for every one of the 65536 bf16 bit patterns
+    (subnormals, halfway cases, overflow to infinity, NaN), and for float32 rows those patterns
+    with random low mantissa bits and the exact halfway and round-up points below them; and
+    rotary_qkv_to_cache its bf16 or float32 cache's new rows converted, every other slot untouched.
+    Rows of another dtype are refused."""
     from pagoda_kernels.cpu_attention import CpuAttention
 
     cpu, _ = ops
@@ -138,26 +140,39 @@ def test_one_byte_cache_writers_store_torchs_float8_e5m2_codes(ops):
     kc8, vc8 = (torch.zeros(64, 16, 2, 32, dtype=torch.float8_e5m2) for _ in range(2))
     slots = torch.randperm(1024, generator=g)
     CpuAttention().write_kv(key, value, kc8, vc8, slots)
-    for cache, rows in ((kc8, key), (vc8, value)):
-        want = torch.zeros(1024, 2, 32, dtype=torch.float8_e5m2)
-        want[slots] = rows.to(torch.float8_e5m2)
-        assert torch.equal(cache.view(torch.uint8).view(1024, 2, 32), want.view(torch.uint8))
+    # float32 rows: each bf16 pattern with random low 16 bits, exactly halfway to the next e5m2 code
+    # (bits 0-20 of the mantissa 0x100000), and one above and below halfway.
+    bits = key.view(torch.int16).to(torch.int32).view(1024, 64) << 16
+    low = torch.randint(0, 1 << 16, bits.shape, generator=g, dtype=torch.int32)
+    keep = bits & ~0x1FFFFF
+    variants = [bits | low, keep | 0x100000, keep | 0x100001, keep | 0x0FFFFF]
+    for i, rows32 in enumerate(variants):
+        key32 = rows32.view(torch.float32).view(1024, 2, 32)
+        value32 = variants[(i + 1) % len(variants)].view(torch.float32).view(1024, 2, 32)
+        CpuAttention().write_kv(key32, value32, kc8, vc8, slots)
+        for cache, rows in ((kc8, key32), (vc8, value32)):
+            want = torch.zeros(1024, 2, 32, dtype=torch.float8_e5m2)
+            want[slots] = rows.to(torch.float8_e5m2)
+            assert torch.equal(cache.view(torch.uint8).view(1024, 2, 32), want.view(torch.uint8))
 
     heads, kvh, dim, rows, cached, max_pos = 9, 3, 64, 70, 61, 512
     cos_t, sin_t = _rope_tables(dim, max_pos)
-    qkv = (4 * torch.randn(rows, (heads + 2 * kvh) * dim, generator=g)).bfloat16()
     positions = torch.randint(0, max_pos, (rows,), generator=g)
     slots = torch.randperm(40 * 16, generator=g)[:cached]
-    rope = cpu.rope_inputs(positions, cos_t, sin_t, torch.bfloat16)
-    kc, vc = (torch.randn(40, 16, kvh, dim, generator=g).bfloat16() for _ in range(2))
-    kc8, vc8 = kc.to(torch.float8_e5m2), vc.to(torch.float8_e5m2)
-    q8 = cpu.rotary_qkv_to_cache(qkv, rope, heads, kc8, vc8, slots)
-    q = cpu.rotary_qkv_to_cache(qkv, rope, heads, kc, vc, slots)
-    assert q8 is not None and torch.equal(q8, q)
-    assert torch.equal(kc8.view(torch.uint8), kc.to(torch.float8_e5m2).view(torch.uint8))
-    assert torch.equal(vc8.view(torch.uint8), vc.to(torch.float8_e5m2).view(torch.uint8))
-    with pytest.raises(RuntimeError, match=r"or bf16 qkv and q_out, float8_e5m2 caches"):
-        torch.ops.pagoda_cpu.rotary_qkv_to_cache(qkv.float(), positions, cos_t, sin_t, q.float(), kc8, vc8, slots)
+    for dtype in (torch.bfloat16, torch.float32):
+        qkv = (4 * torch.randn(rows, (heads + 2 * kvh) * dim, generator=g)).to(dtype)
+        rope = cpu.rope_inputs(positions, cos_t, sin_t, dtype)
+        kc, vc = (torch.randn(40, 16, kvh, dim, generator=g).to(dtype) for _ in range(2))
+        kc8, vc8 = kc.to(torch.float8_e5m2), vc.to(torch.float8_e5m2)
+        q8 = cpu.rotary_qkv_to_cache(qkv, rope, heads, kc8, vc8, slots)
+        q = cpu.rotary_qkv_to_cache(qkv, rope, heads, kc, vc, slots)
+        assert q8 is not None and torch.equal(q8, q)
+        assert torch.equal(kc8.view(torch.uint8), kc.to(torch.float8_e5m2).view(torch.uint8))
+        assert torch.equal(vc8.view(torch.uint8), vc.to(torch.float8_e5m2).view(torch.uint8))
+    with pytest.raises(RuntimeError, match=r"or float8_e5m2 caches"):
+        torch.ops.pagoda_cpu.rotary_qkv_to_cache(qkv.half(), positions, cos_t, sin_t, q.half(), kc8, vc8, slots)
+    with pytest.raises(RuntimeError, match=r"or be bf16 or float32 for float8_e5m2 caches"):
+        torch.ops.pagoda_cpu.reshape_and_cache(*(torch.zeros(4, kvh, dim).half() for _ in range(2)), kc8, vc8, slots[:4])
 
 
 def test_rotary_qkv_to_cache_rejects_bad_slots_and_shapes(ops):
@@ -686,7 +701,7 @@ def test_gemm_linear_rotary_qkv_to_cache_is_the_gemm_then_rotary_qkv_to_cache(op
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu.gemm_linear_rotary_qkv_to_cache(x, cpu.gemm_pack(w), rope, heads, kc, vc,
                                            torch.full((cached,), blocks * bs))
-    if dtype == torch.bfloat16:  # a one-byte cache: the bf16 cache's rows as torch converts them
+    if dtype in (torch.bfloat16, torch.float32):  # a one-byte cache: the model-dtype cache's rows as torch converts them
         kc8, vc8 = caches[0].to(torch.float8_e5m2), caches[1].to(torch.float8_e5m2)
         q8 = cpu.gemm_linear_rotary_qkv_to_cache(x, cpu.gemm_pack(w), rope, heads, kc8, vc8, slots)
         assert torch.equal(q8, q_ref)

@@ -391,12 +391,14 @@ void rotary_impl(const T* x, int64_t x_stride, T* out, const int64_t* positions,
 }
 
 // ---- a one-byte K/V cache (float8_e5m2 codes; the decode kernel reads them) -------------------------
-// Codes of n bf16 values as torch's conversion to float8_e5m2 gives them (c10's
+// Codes of n bf16 or float32 values as torch's conversion to float8_e5m2 gives them (c10's
 // fp8e5m2_from_fp32_value: nearest even, subnormals kept, overflow to infinity): a one-byte cache's
 // writers store exactly what key.to(torch.float8_e5m2) stores.
-inline void e5m2_row(const bf16_t* src, uint8_t* dst, int64_t n) {
+template <typename S>
+inline void e5m2_row(const S* src, uint8_t* dst, int64_t n) {
   int64_t i = 0;
 #if PAGODA_EW_AVX512
+  if constexpr (std::is_same_v<S, bf16_t>) {  // (float32 rows: the AVX2 steps, or c10's)
   const auto c = [](uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); };
   for (; i + 16 <= n; i += 16) {
     const __m512i bits =
@@ -416,14 +418,19 @@ inline void e5m2_row(const bf16_t* src, uint8_t* dst, int64_t n) {
     r = _mm512_or_si512(_mm512_and_si512(r, c(0xFF)), _mm512_srli_epi32(sign, 24));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtepi32_epi8(r));
   }
-#elif PAGODA_EW_AVX2
+  }
+#endif
+#if PAGODA_EW_AVX2 || PAGODA_EW_AVX512
   // The same steps, 8 lanes (signed compares: the sign bit is cleared).
   const auto c = [](uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); };
   const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                              0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
   for (; i + 8 <= n; i += 8) {
-    const __m256i bits =
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16);
+    __m256i bits;
+    if constexpr (std::is_same_v<S, bf16_t>)
+      bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16);
+    else
+      bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
     const __m256i sign = _mm256_and_si256(bits, c(0x80000000u));
     const __m256i f = _mm256_xor_si256(bits, sign);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(f, 21), c(1));
@@ -448,14 +455,15 @@ inline void cache_row(const T* row, C* slot, int64_t n) {
   if constexpr (std::is_same_v<C, T>) {
     std::memcpy(slot, row, n * sizeof(T));
   } else {
-    static_assert(std::is_same_v<T, bf16_t> && std::is_same_v<C, uint8_t>, "a one-byte cache takes bf16 rows");
+    static_assert(std::is_same_v<C, uint8_t>, "a one-byte cache holds e5m2 codes");
     e5m2_row(row, slot, n);
   }
 }
 
-// Whether a cache of this dtype takes rows of T's: the same dtype, or bf16 rows in a one-byte cache.
+// Whether a cache of this dtype takes rows of T's: the same dtype, or bf16 or float32 rows in a
+// one-byte cache.
 inline bool cache_takes(at::ScalarType cache, at::ScalarType rows) {
-  return cache == rows || (cache == at::kFloat8_e5m2 && rows == at::kBFloat16);
+  return cache == rows || (cache == at::kFloat8_e5m2 && (rows == at::kBFloat16 || rows == at::kFloat));
 }
 
 // The fused QKV projection's output -> rotary q (q_out), and for the rows with a cache slot the
@@ -463,7 +471,7 @@ inline bool cache_takes(at::ScalarType cache, at::ScalarType rows) {
 // and reshape_and_cache in one pass (no k temporary, one parallel region instead of three). qkv
 // [T, (H + 2 kvh) D] (row stride free); rows r < Tr = len(slot_mapping) get cached, rows past Tr
 // (GEMM padding) only their q.
-// C: the caches' element, T or uint8_t (e5m2 codes of the bf16 rows: rotary(k) through a row buffer).
+// C: the caches' element, T or uint8_t (e5m2 codes of the rows: rotary(k) through a row buffer).
 template <typename T, typename C = T>
 void rotary_qkv_cache_impl(const T* qkv, int64_t qkv_stride, T* q_out, C* key_cache, C* value_cache,
                            const int64_t* slots, int64_t cached_rows, const int64_t* positions, const float* cos_table,
@@ -583,7 +591,7 @@ void rotary_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions, con
   check_rows(qkv, "qkv", rows, (heads + 2 * kv_heads) * dim);
   TORCH_CHECK(qkv.scalar_type() == q_out.scalar_type() && cache_takes(key_cache.scalar_type(), qkv.scalar_type()) &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
-              "qkv, q_out and the caches must share a dtype (or bf16 qkv and q_out, float8_e5m2 caches)");
+              "qkv, q_out and the caches must share a dtype (or float8_e5m2 caches)");
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong &&
                   positions.is_contiguous(), "positions must be int64 [", rows, "]");
   TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
@@ -602,6 +610,13 @@ void rotary_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions, con
     TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "slot ", slots[r], " outside the cache [0, ", num_slots, ")");
   switch (qkv.scalar_type()) {
     case at::kFloat:
+      if (key_cache.scalar_type() == at::kFloat8_e5m2) {
+        rotary_qkv_cache_impl<float, uint8_t>(
+            qkv.data_ptr<float>(), qkv.stride(0), q_out.data_ptr<float>(), static_cast<uint8_t*>(key_cache.data_ptr()),
+            static_cast<uint8_t*>(value_cache.data_ptr()), slots, cached, pos, cos_table.data_ptr<float>(),
+            sin_table.data_ptr<float>(), cos_table.stride(0), rows, heads, kv_heads, dim);
+        break;
+      }
       rotary_qkv_cache_impl<float>(qkv.data_ptr<float>(), qkv.stride(0), q_out.data_ptr<float>(),
                                    key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), slots, cached, pos,
                                    cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), cos_table.stride(0), rows,
@@ -739,7 +754,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                     t->stride(1) == dim, "key / value must be [T, ", kvh, ", ", dim, "] with contiguous heads, got ",
                 t->sizes(), " strides ", t->strides());
     TORCH_CHECK(cache_takes(key_cache.scalar_type(), t->scalar_type()),
-                "key / value must have the caches' dtype (or be bf16 for float8_e5m2 caches)");
+                "key / value must have the caches' dtype (or be bf16 or float32 for float8_e5m2 caches)");
   }
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "caches must share a dtype");
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value must share a dtype");
@@ -748,16 +763,20 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "slot ", slots[r], " outside the cache [0, ", num_slots, ")");
-  if (key_cache.scalar_type() != key.scalar_type()) {  // bf16 rows, e5m2 codes
-    const auto* k = static_cast<const bf16_t*>(key.data_ptr());
-    const auto* v = static_cast<const bf16_t*>(value.data_ptr());
+  if (key_cache.scalar_type() != key.scalar_type()) {  // bf16 or float32 rows, e5m2 codes
     auto* kc = static_cast<uint8_t*>(key_cache.data_ptr());
     auto* vc = static_cast<uint8_t*>(value_cache.data_ptr());
+    const auto codes = [&](const auto* k, const auto* v) {
 #pragma omp parallel for schedule(static) num_threads(threads_for(rows * row * 2))
-    for (int64_t r = 0; r < rows; ++r) {
-      e5m2_row(k + r * key.stride(0), kc + slots[r] * row, row);
-      e5m2_row(v + r * value.stride(0), vc + slots[r] * row, row);
-    }
+      for (int64_t r = 0; r < rows; ++r) {
+        e5m2_row(k + r * key.stride(0), kc + slots[r] * row, row);
+        e5m2_row(v + r * value.stride(0), vc + slots[r] * row, row);
+      }
+    };
+    if (key.scalar_type() == at::kFloat)
+      codes(key.data_ptr<float>(), value.data_ptr<float>());
+    else
+      codes(static_cast<const bf16_t*>(key.data_ptr()), static_cast<const bf16_t*>(value.data_ptr()));
     return;
   }
   const int64_t bytes = row * static_cast<int64_t>(key.element_size());
@@ -2352,7 +2371,7 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
                   value_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes() &&
                   cache_takes(key_cache.scalar_type(), dtype) && value_cache.scalar_type() == key_cache.scalar_type(),
               "caches must be contiguous [num_blocks, block_size, kv_heads, 64] alike, in the model dtype (or "
-              "float8_e5m2 for a bf16 model)");
+              "float8_e5m2)");
   const bool codes = key_cache.scalar_type() == at::kFloat8_e5m2;
   const int64_t kv_heads = key_cache.size(2);
   TORCH_CHECK(packed.size(0) == heads + 2 * kv_heads, "packed must hold ", heads + 2 * kv_heads, " head blocks");
@@ -2376,10 +2395,19 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
   const float* st = sin_table.data_ptr<float>();
   if (dtype == at::kFloat) {
     const auto to_row = [](const float* c, float* row) { std::memcpy(row, c, kGemmBlockN * sizeof(float)); };
-    run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
-      rotary_to_cache_rows<float>(r0, rows, h, c, to_row, q_out.data_ptr<float>(), key_cache.data_ptr<float>(),
-                                  value_cache.data_ptr<float>(), heads, kv_heads, slots, cached, pos, ct, st);
-    });
+    float* q = q_out.data_ptr<float>();
+    if (codes) {
+      auto* kc = static_cast<uint8_t*>(key_cache.data_ptr());
+      auto* vc = static_cast<uint8_t*>(value_cache.data_ptr());
+      run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
+        rotary_to_cache_rows(r0, rows, h, c, to_row, q, kc, vc, heads, kv_heads, slots, cached, pos, ct, st);
+      });
+    } else {
+      run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
+        rotary_to_cache_rows<float>(r0, rows, h, c, to_row, q, key_cache.data_ptr<float>(),
+                                    value_cache.data_ptr<float>(), heads, kv_heads, slots, cached, pos, ct, st);
+      });
+    }
     return;
   }
   // A bf16 model: rows rounded as gemm_linear stores them, into a bf16 or a one-byte cache.

@@ -212,6 +212,14 @@ inline void f8_values_row(const uint8_t* src, bf16_t* dst, int n) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permute4x64_epi64(w, 0xD8));
   }
 }
+// ... and as float32 (a float32 model's prefill).
+inline void f8_values_row(const uint8_t* src, float* dst, int n) {
+  for (int i = 0; i < n; i += 16) {
+    const V16 f = vload(reinterpret_cast<const f8e5m2_t*>(src + i));
+    _mm256_storeu_ps(dst + i, f.lo);
+    _mm256_storeu_ps(dst + i + 8, f.hi);
+  }
+}
 inline void vstore(float* p, V16 a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
@@ -1327,9 +1335,13 @@ void decode_impl(const Params& P, const T* q, const C* kc, const C* vc, T* out, 
 
 // What both entry points require of the caches and of the step's tables (q [., H, D] is checked by
 // each for its own layout); the block ids themselves are checked by check_block_ids.
-// Whether this build's decode and prefill kernels read a one-byte (float8_e5m2) cache with bf16 queries:
-// with vdpbf16ps (subnormal codes read as zero), or on AVX2 panels in float32 (every code exactly).
-bool decode_supports_f8() { return PAGODA_DPBF16 || PAGODA_AVX2; }
+// Whether this build's decode and prefill kernels read a one-byte (float8_e5m2) cache with queries of
+// this dtype: bf16 with vdpbf16ps (subnormal codes read as zero), or bf16 and float32 on AVX2 builds,
+// in float32 (every code exactly).
+bool decode_supports_f8(at::ScalarType q) {
+  return (q == at::kBFloat16 && PAGODA_DPBF16) || ((q == at::kBFloat16 || q == at::kFloat) && PAGODA_AVX2);
+}
+bool decode_supports_f8_op(c10::ScalarType q) { return decode_supports_f8(q); }
 // Whether they read subnormal codes as zero (vdpbf16ps builds), rather than as their values.
 bool decode_f8_flushes_subnormals() { return PAGODA_DPBF16; }
 
@@ -1343,11 +1355,13 @@ void check_paged_inputs(const char* name, const at::Tensor& q, const at::Tensor&
               "key_cache / value_cache must be [num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), name, ": key_cache and value_cache must share a dtype");
   if (one_byte_cache && key_cache.scalar_type() == at::kFloat8_e5m2) {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, name, ": a float8_e5m2 cache takes bfloat16 q, got ", q.scalar_type());
-    TORCH_CHECK(decode_supports_f8(), name, ": a float8_e5m2 cache needs a CPU with AVX512-BF16 or a build for AVX2");
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, name,
+                ": a float8_e5m2 cache takes bfloat16 or float32 q, got ", q.scalar_type());
+    TORCH_CHECK(decode_supports_f8(q.scalar_type()), name, ": a float8_e5m2 cache with ", q.scalar_type(),
+                " q needs a CPU with AVX512-BF16 (bfloat16 q) or a build for AVX2");
   } else {
     TORCH_CHECK(key_cache.scalar_type() == q.scalar_type(), name, ": q and the caches must have the same dtype",
-                one_byte_cache ? " (or bfloat16 q with float8_e5m2 caches)" : "", ", got ", q.scalar_type(), " and ",
+                one_byte_cache ? " (or float8_e5m2 caches)" : "", ", got ", q.scalar_type(), " and ",
                 key_cache.scalar_type());
   }
   TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "cache head_dim must be contiguous");
@@ -1413,13 +1427,21 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
   P.qscale = static_cast<float>(scale) * kLog2e;
 
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
-  if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // bf16 q (check_paged_inputs)
+  if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // bf16 q, or float32 on AVX2 (check_paged_inputs)
+    const auto* kc = static_cast<const f8e5m2_t*>(key_cache.data_ptr());
+    const auto* vc = static_cast<const f8e5m2_t*>(value_cache.data_ptr());
+#if PAGODA_AVX2
+    if (q.scalar_type() == at::kFloat) {
+      decode_impl<float, f8e5m2_t>(P, q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), nthreads);
+      return;
+    }
+#endif
 #if PAGODA_DPBF16 || PAGODA_AVX2
-    decode_impl<bf16_t, f8e5m2_t>(P, static_cast<const bf16_t*>(q.data_ptr()),
-                                  static_cast<const f8e5m2_t*>(key_cache.data_ptr()),
-                                  static_cast<const f8e5m2_t*>(value_cache.data_ptr()),
+    decode_impl<bf16_t, f8e5m2_t>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
                                   static_cast<bf16_t*>(out.data_ptr()), nthreads);
 #endif
+    (void)kc;
+    (void)vc;
     return;
   }
   switch (q.scalar_type()) {
@@ -2090,14 +2112,15 @@ void prefill_item(const PrefillParams& P, const T* q, const C* kc, const C* vc, 
       pack_kv<T>(P, rows_a[cur], rows_b[cur], nk, S);
     } else {
 #if PAGODA_DPBF16 || PAGODA_AVX2
-      static_assert(std::is_same_v<T, bf16_t> && std::is_same_v<C, f8e5m2_t>, "a one-byte cache takes bf16 q");
-      thread_local std::vector<bf16_t> stage;
+      static_assert(std::is_same_v<C, f8e5m2_t> && (std::is_same_v<T, bf16_t> || PAGODA_AVX2),
+                    "a one-byte cache takes bf16 q, or float32 on AVX2");
+      thread_local std::vector<T> stage;
       stage.resize(static_cast<size_t>(2 * kKeyTile) * D);
-      const bf16_t* ka[kKeyTile];
-      const bf16_t* va[kKeyTile];
+      const T* ka[kKeyTile];
+      const T* va[kKeyTile];
       for (int j = 0; j < nk; ++j) {
-        bf16_t* k = stage.data() + static_cast<size_t>(j) * D;
-        bf16_t* v = k + static_cast<size_t>(kKeyTile) * D;
+        T* k = stage.data() + static_cast<size_t>(j) * D;
+        T* v = k + static_cast<size_t>(kKeyTile) * D;
         f8_values_row(reinterpret_cast<const uint8_t*>(rows_a[cur][j]), k, D);  // as decode reads them
         f8_values_row(reinterpret_cast<const uint8_t*>(rows_b[cur][j]), v, D);
         ka[j] = k;
@@ -2245,13 +2268,21 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
   P.block_tables = btp;
   P.qscale = static_cast<float>(scale) * kLog2e;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
-  if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // bf16 q (check_paged_inputs)
-#if PAGODA_DPBF16 || PAGODA_AVX2
-    prefill_impl<bf16_t, f8e5m2_t>(P, static_cast<const bf16_t*>(q.data_ptr()),
-                                   static_cast<const f8e5m2_t*>(key_cache.data_ptr()),
-                                   static_cast<const f8e5m2_t*>(value_cache.data_ptr()),
-                                   static_cast<bf16_t*>(out.data_ptr()), qs, sl, static_cast<int>(B), nthreads);
+  if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // bf16 q, or float32 on AVX2 (check_paged_inputs)
+    const auto* kc = static_cast<const f8e5m2_t*>(key_cache.data_ptr());
+    const auto* vc = static_cast<const f8e5m2_t*>(value_cache.data_ptr());
+#if PAGODA_AVX2
+    if (q.scalar_type() == at::kFloat)
+      prefill_impl<float, f8e5m2_t>(P, q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), qs, sl,
+                                    static_cast<int>(B), nthreads);
+    else
 #endif
+#if PAGODA_DPBF16 || PAGODA_AVX2
+      prefill_impl<bf16_t, f8e5m2_t>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
+                                     static_cast<bf16_t*>(out.data_ptr()), qs, sl, static_cast<int>(B), nthreads);
+#endif
+    (void)kc;
+    (void)vc;
   } else if (q.scalar_type() == at::kFloat) {
     prefill_impl<float>(P, q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
                         out.data_ptr<float>(), qs, sl, static_cast<int>(B), nthreads);
@@ -2303,7 +2334,7 @@ TORCH_LIBRARY(pagoda_cpu, m) {
       "Tensor seq_lens, float scale, Tensor(a!) out, int num_threads) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
   m.def("has_avx512() -> bool", TORCH_FN(has_avx512));
-  m.def("decode_supports_f8() -> bool", TORCH_FN(decode_supports_f8));
+  m.def("decode_supports_f8(ScalarType q) -> bool", TORCH_FN(decode_supports_f8_op));
   m.def("decode_f8_flushes_subnormals() -> bool", TORCH_FN(decode_f8_flushes_subnormals));
   m.def(
       "paged_prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
