@@ -2393,46 +2393,31 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
     TORCH_CHECK(pos[r] >= 0 && pos[r] < cos_table.size(0), "position ", pos[r], " outside the rotary table");
   const float* ct = cos_table.data_ptr<float>();
   const float* st = sin_table.data_ptr<float>();
-  if (dtype == at::kFloat) {
-    const auto to_row = [](const float* c, float* row) { std::memcpy(row, c, kGemmBlockN * sizeof(float)); };
-    float* q = q_out.data_ptr<float>();
-    if (codes) {
-      auto* kc = static_cast<uint8_t*>(key_cache.data_ptr());
-      auto* vc = static_cast<uint8_t*>(value_cache.data_ptr());
+  // Rows in the model dtype E, as gemm_linear stores them (to_row), into an E or a one-byte cache.
+  const auto rows_to_cache = [&](auto* q, auto&& to_row) {
+    using E = std::remove_pointer_t<decltype(q)>;
+    const auto run = [&](auto* kc, auto* vc) {
       run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
         rotary_to_cache_rows(r0, rows, h, c, to_row, q, kc, vc, heads, kv_heads, slots, cached, pos, ct, st);
       });
-    } else {
-      run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
-        rotary_to_cache_rows<float>(r0, rows, h, c, to_row, q, key_cache.data_ptr<float>(),
-                                    value_cache.data_ptr<float>(), heads, kv_heads, slots, cached, pos, ct, st);
-      });
-    }
+    };
+    if (codes)
+      run(static_cast<uint8_t*>(key_cache.data_ptr()), static_cast<uint8_t*>(value_cache.data_ptr()));
+    else
+      run(static_cast<E*>(key_cache.data_ptr()), static_cast<E*>(value_cache.data_ptr()));
+  };
+  if (dtype == at::kFloat) {
+    rows_to_cache(q_out.data_ptr<float>(),
+                  [](const float* c, float* row) { std::memcpy(row, c, kGemmBlockN * sizeof(float)); });
     return;
   }
-  // A bf16 model: rows rounded as gemm_linear stores them, into a bf16 or a one-byte cache.
-  const auto bf16_rows = [&](auto&& to_row) {
-    auto* q = static_cast<bf16_t*>(q_out.data_ptr());
-    if (codes) {
-      auto* kc = static_cast<uint8_t*>(key_cache.data_ptr());
-      auto* vc = static_cast<uint8_t*>(value_cache.data_ptr());
-      run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
-        rotary_to_cache_rows(r0, rows, h, c, to_row, q, kc, vc, heads, kv_heads, slots, cached, pos, ct, st);
-      });
-    } else {
-      auto* kc = static_cast<bf16_t*>(key_cache.data_ptr());
-      auto* vc = static_cast<bf16_t*>(value_cache.data_ptr());
-      run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
-        rotary_to_cache_rows(r0, rows, h, c, to_row, q, kc, vc, heads, kv_heads, slots, cached, pos, ct, st);
-      });
-    }
-  };
+  auto* q = static_cast<bf16_t*>(q_out.data_ptr());
   if (f32_kernel(packed)) {  // a bf16 model on the float32 kernel
-    bf16_rows(round_block_row);
+    rows_to_cache(q, round_block_row);
     return;
   }
 #if PAGODA_GEMM_BF16
-  bf16_rows(gemm_round_block_row);
+  rows_to_cache(q, gemm_round_block_row);
 #endif
 }
 
