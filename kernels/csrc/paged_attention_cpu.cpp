@@ -548,8 +548,8 @@ PAGODA_INLINE float softmax_span(V16* s, int n, float qscale, float& m, V16& lsu
 // queries are held in registers for the whole span (with a runtime kv-head count they were reloaded
 // for every token: a store to tmp may alias them). SmolLM2 shapes, one core, from L2: 1.07x.
 //
-// F8: the K rows are e5m2 codes (f8e5m2_t; T is bf16). vdpbf16ps builds: qraw scaled by 2^112,
-// f8_words; AVX2 builds: the codes widened to their float values, against qf.
+// F8: the K rows are e5m2 codes (f8e5m2_t). vdpbf16ps builds: T is bf16, qraw scaled by 2^112,
+// f8_words; AVX2 builds: T is bf16 or float32, the codes widened to their values, against qf.
 template <typename T, int NH, int DT, int NKV, bool F8 = false>
 PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw, V16* tmp) {
   const int D = DT ? DT : A.D;
@@ -865,7 +865,7 @@ inline int acc_perm_index(int d, int D, bool permuted) {
 template <typename T>
 using SpanFn = void (*)(const SpanArgs&, const float*, const T*, float*, float*, V16*, V16*);
 
-// F8: for a one-byte cache (f8e5m2_t; bf16 queries, vdpbf16ps and AVX2 builds).
+// F8: for a one-byte cache (f8e5m2_t; bf16 queries with vdpbf16ps, bf16 or float32 on AVX2 builds).
 template <typename T, int DT, bool F8 = false>
 SpanFn<T> span_fn_d(int nh) {
 #if PAGODA_DPBF16
@@ -1022,8 +1022,9 @@ inline const int32_t* item_block_table(const Params& P, int b, int nr) {
 // were requested that way by the item before. Returns whether the next item's first `ahead` tokens
 // were all requested.
 //
-// C: the cache element, T's own or f8e5m2_t (bf16 queries: each row's queries are copied, scaled by
-// 2^112, into its S[r].qf storage; see f8_words).
+// C: the cache element, T's own or f8e5m2_t (vdpbf16ps builds: each row's bf16 queries are copied,
+// scaled by 2^112, into its S[r].qf storage, see f8_words; AVX2 builds read the codes' values
+// against the float queries as for any cache).
 template <typename T, typename C = T>
 bool run_item(const Params& P, const T* q, const C* kc, const C* vc, int b, int nr, int kh0, int kh1, int t0,
               int t1, Scratch* S, const Item* next = nullptr, bool started = false) {
@@ -2069,8 +2070,8 @@ PAGODA_INLINE void copy_q_row(const T* src, QT* dst, int D) {
   }
 }
 
-// C: the caches' element, T's or f8e5m2_t (bf16 T: each key tile's rows of codes become bf16 values
-// in a staging buffer first, f8_values_row, and the tile is packed from there).
+// C: the caches' element, T's or f8e5m2_t (each key tile's rows of codes become values of T, bf16 or
+// float32 on AVX2, in a staging buffer first, f8_values_row, and the tile is packed from there).
 template <typename T, typename C = T>
 void prefill_item(const PrefillParams& P, const T* q, const C* kc, const C* vc, T* out, const PrefillItem& it,
                   PrefillScratch& S, bool amx) {
