@@ -254,7 +254,8 @@ class CpuAttention(TorchAttention):
 
     def reads_cache_dtype(self, cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
         # A one-byte cache (float8_e5m2) with a bf16 or float32 model, where the build's kernels read it.
-        one_byte = cache_dtype == torch.float8_e5m2 and dtype in (torch.bfloat16, torch.float32) and decode_supports_f8(dtype)
+        one_byte = (cache_dtype == torch.float8_e5m2 and dtype in (torch.bfloat16, torch.float32)
+                    and decode_supports_f8(dtype))
         return one_byte or super().reads_cache_dtype(cache_dtype, dtype)
 
     def prefill_rows_independent(self, dtype: torch.dtype) -> bool:

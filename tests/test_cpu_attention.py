@@ -290,7 +290,8 @@ def test_one_byte_cache_gives_the_bits_of_a_cache_of_its_values(op, h, kvh, d, n
     op(qs, kcs8, vcs8, bts, sls, 0.125, grouped, num_threads)
     for i in range(qs.shape[0]):
         op(qs[i:i + 1], kcs8, vcs8, bts[i:i + 1], sls[i:i + 1], 0.125, alone[i:i + 1], num_threads)
-    op(qs, e5m2_values(kcs8, dtype), e5m2_values(vcs8, dtype), bts, sls, 0.125, want := torch.empty_like(qs), num_threads)
+    want = torch.empty_like(qs)
+    op(qs, e5m2_values(kcs8, dtype), e5m2_values(vcs8, dtype), bts, sls, 0.125, want, num_threads)
     assert torch.equal(grouped, alone) and torch.equal(grouped, want)
 
 

@@ -172,7 +172,8 @@ def test_one_byte_cache_writers_store_torchs_float8_e5m2_codes(ops):
     with pytest.raises(RuntimeError, match=r"or float8_e5m2 caches"):
         torch.ops.pagoda_cpu.rotary_qkv_to_cache(qkv.half(), positions, cos_t, sin_t, q.half(), kc8, vc8, slots)
     with pytest.raises(RuntimeError, match=r"or be bf16 or float32 for float8_e5m2 caches"):
-        torch.ops.pagoda_cpu.reshape_and_cache(*(torch.zeros(4, kvh, dim).half() for _ in range(2)), kc8, vc8, slots[:4])
+        rows16 = torch.zeros(4, kvh, dim).half()
+        torch.ops.pagoda_cpu.reshape_and_cache(rows16, rows16, kc8, vc8, slots[:4])
 
 
 def test_rotary_qkv_to_cache_rejects_bad_slots_and_shapes(ops):
@@ -701,7 +702,7 @@ def test_gemm_linear_rotary_qkv_to_cache_is_the_gemm_then_rotary_qkv_to_cache(op
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu.gemm_linear_rotary_qkv_to_cache(x, cpu.gemm_pack(w), rope, heads, kc, vc,
                                            torch.full((cached,), blocks * bs))
-    if dtype in (torch.bfloat16, torch.float32):  # a one-byte cache: the model-dtype cache's rows as torch converts them
+    if dtype in (torch.bfloat16, torch.float32):  # a one-byte cache: those rows as torch converts them
         kc8, vc8 = caches[0].to(torch.float8_e5m2), caches[1].to(torch.float8_e5m2)
         q8 = cpu.gemm_linear_rotary_qkv_to_cache(x, cpu.gemm_pack(w), rope, heads, kc8, vc8, slots)
         assert torch.equal(q8, q_ref)

@@ -1428,7 +1428,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
   P.qscale = static_cast<float>(scale) * kLog2e;
 
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
-  if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // bf16 q, or float32 on AVX2 (check_paged_inputs)
+  if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // q's dtype is one decode_supports_f8 takes (check_paged_inputs)
+#if PAGODA_DPBF16 || PAGODA_AVX2
     const auto* kc = static_cast<const f8e5m2_t*>(key_cache.data_ptr());
     const auto* vc = static_cast<const f8e5m2_t*>(value_cache.data_ptr());
 #if PAGODA_AVX2
@@ -1437,12 +1438,9 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
       return;
     }
 #endif
-#if PAGODA_DPBF16 || PAGODA_AVX2
     decode_impl<bf16_t, f8e5m2_t>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
                                   static_cast<bf16_t*>(out.data_ptr()), nthreads);
 #endif
-    (void)kc;
-    (void)vc;
     return;
   }
   switch (q.scalar_type()) {
@@ -2269,21 +2267,20 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
   P.block_tables = btp;
   P.qscale = static_cast<float>(scale) * kLog2e;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
-  if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // bf16 q, or float32 on AVX2 (check_paged_inputs)
+  if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // q's dtype is one decode_supports_f8 takes (check_paged_inputs)
+#if PAGODA_DPBF16 || PAGODA_AVX2
     const auto* kc = static_cast<const f8e5m2_t*>(key_cache.data_ptr());
     const auto* vc = static_cast<const f8e5m2_t*>(value_cache.data_ptr());
 #if PAGODA_AVX2
-    if (q.scalar_type() == at::kFloat)
+    if (q.scalar_type() == at::kFloat) {
       prefill_impl<float, f8e5m2_t>(P, q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), qs, sl,
                                     static_cast<int>(B), nthreads);
-    else
+      return;
+    }
 #endif
-#if PAGODA_DPBF16 || PAGODA_AVX2
-      prefill_impl<bf16_t, f8e5m2_t>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
-                                     static_cast<bf16_t*>(out.data_ptr()), qs, sl, static_cast<int>(B), nthreads);
+    prefill_impl<bf16_t, f8e5m2_t>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
+                                   static_cast<bf16_t*>(out.data_ptr()), qs, sl, static_cast<int>(B), nthreads);
 #endif
-    (void)kc;
-    (void)vc;
   } else if (q.scalar_type() == at::kFloat) {
     prefill_impl<float>(P, q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
                         out.data_ptr<float>(), qs, sl, static_cast<int>(B), nthreads);
