@@ -13,6 +13,8 @@ import os
 import re
 import time
 
+from engine_service.config import KV_CACHE_DTYPE_CHOICES
+
 DEMO_PROMPTS = [
     "Hello, my name is",
     "The capital of France is",
@@ -73,8 +75,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--cpu-f32-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="float32 weights: the decoder layers' GEMMs on Pagoda's own FMA kernel (AVX-512 or AVX2) "
                         "with silu*up and rotary + KV write fused (default: on wherever the CPU has AVX2 and FMA)")
-    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2"],
-                   help="fp8_e5m2: one byte a K/V value (half the attention reads, twice the tokens a budget holds)")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="one byte a K/V value, fp8 (= fp8_e4m3) or fp8_e5m2: half the attention reads, twice the "
+                        "tokens a budget holds")
     e.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     e.add_argument("--swap-space-bytes", type=parse_bytes, default=1 << 30)
     e.add_argument("--seed", type=int, default=0)

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from engine_service.batch_rows import (BatchRequest, BatchResult, RowError, error_row, output_key, parse_row,
                                        row_key, success_row)
+from engine_service.config import KV_CACHE_DTYPE_CHOICES
 
 logger = logging.getLogger("pagoda.batch")
 
@@ -234,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None, help="CPU KV budget, e.g. 4GiB")
-    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2"],
-                   help="fp8_e5m2: one byte a K/V value (half the attention reads, twice the tokens a budget holds)")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="one byte a K/V value, fp8 (= fp8_e4m3) or fp8_e5m2: half the attention reads, twice the "
+                        "tokens a budget holds")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--device", default="cpu")
     return ap

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_KV_CACHE_DTYPES = {"fp8_e5m2": torch.float8_e5m2}
+# vLLM's names: "fp8" is e4m3 (as on vLLM's GPUs, with its default scale of 1.0).
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPE_CHOICES = ["auto", *_KV_CACHE_DTYPES]
 
 
 def cpu_has_bf16_dot() -> bool:
@@ -60,12 +62,15 @@ class EngineConfig:
     # workload the first-touch faults cost ~4 s of a 54 s run (bench/RESULTS.md). Costs ~1 s per GiB
     # of KV budget at start-up and commits that memory at once.
     kv_cache_prefault: bool = True
-    # dtype of the paged KV cache, vLLM's kv_cache_dtype: "auto" = the model dtype; "fp8_e5m2" = one
-    # byte a value (float8_e5m2: 5 exponent bits, 2 mantissa bits, values as torch's conversion
-    # rounds them, subnormals read as zero): half the bytes a decode step's attention reads and
-    # twice the tokens a KV budget holds, at 2 mantissa bits. Output is then no longer
-    # token-identical to transformers (the kernels give what a bf16 cache of the codes' values
-    # gives) and drifts early: bench/kv_fp8_agreement.py, bench/RESULTS.md; a request preempted
+    # dtype of the paged KV cache, vLLM's kv_cache_dtype: "auto" = the model dtype; one byte a value:
+    # "fp8" or "fp8_e4m3" (float8_e4m3fn: 4 exponent bits, 3 mantissa bits, values up to +-448,
+    # larger ones saturating there, scale 1.0 as vLLM's default) or "fp8_e5m2" (5 exponent bits, 2
+    # mantissa bits), values as torch's conversion rounds them: half the bytes a decode step's
+    # attention reads (a quarter for a float32 model) and twice the tokens a KV budget holds. e4m3's
+    # extra mantissa bit halves e5m2's error in the next token's log-probability (0.065 against
+    # 0.118 on SmolLM2, bench/kv_fp8_agreement.py); K/V values above 448 would saturate. Output is
+    # then no longer token-identical to transformers (the kernels give what a bf16 cache of the
+    # codes' values gives) and drifts: bench/kv_fp8_agreement.py, bench/RESULTS.md; a request preempted
     # and recomputed (preemption_mode "recompute") may continue differently, where a recomputed
     # K/V value rounds to another code ("swap" keeps the codes). A bfloat16 model on a CPU with
     # AVX512-BF16 (bf16 dot products, subnormal codes read as zero), or a bfloat16 or float32 model
@@ -135,7 +140,7 @@ class EngineConfig:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' (the model dtype) or one of {sorted(_KV_CACHE_DTYPES)}, "
+            raise ValueError(f"kv_cache_dtype must be 'auto' (the model dtype) or one of {list(_KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype != "auto" and (self.device != "cpu" or self.dtype not in ("bfloat16", "float32")):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} needs device 'cpu' and dtype 'bfloat16' or "

@@ -40,13 +40,27 @@ class AttentionMetadata:
     cache: dict | None = None
 
 
+# The one-byte cache dtypes (vLLM's kv_cache_dtype "fp8_e5m2", and "fp8" / "fp8_e4m3").
+ONE_BYTE_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows as a cache of ``dtype`` stores them: torch's conversion, where float8_e4m3fn (no
+    infinities) saturates at +-448 first (torch's conversion alone gives NaN there), as vLLM's fp8
+    writers do. The codes Pagoda's C++ writers store."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-E4M3_MAX, E4M3_MAX)
+    return x.to(dtype)
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """reshape_and_cache: store each new token's K/V [T, kv_heads, head_dim] at its slot."""
     num_blocks, block_size, kvh, d = key_cache.shape
-    # (a one-byte cache gets torch's conversion of the rows, the codes Pagoda's C++ writers store)
-    key_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    key_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, to_cache_dtype(key, key_cache.dtype))
+    value_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping,
+                                                                  to_cache_dtype(value, value_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .attention import AttentionMetadata, TorchAttention
+from .attention import ONE_BYTE_DTYPES, AttentionMetadata, TorchAttention
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "cpu_ops.cpp"]
@@ -164,8 +164,8 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     q [B, H, D] contiguous; key_cache / value_cache [num_blocks, block_size, kv_heads, D] (head_dim
     contiguous); block_tables [B, max_blocks] int32; seq_lens [B] int32, the context length including
     the current token (whose K/V is already in the cache). H must be a multiple of kv_heads; D a
-    multiple of 16; float32, bfloat16 or float16, or float8_e5m2 caches (one byte a value) with
-    bfloat16 or float32 q where ``decode_supports_f8(q.dtype)``; subnormal values read as zero where
+    multiple of 16; float32, bfloat16 or float16, or float8_e5m2 / float8_e4m3fn caches (one byte a
+    value) with bfloat16 or float32 q where ``decode_supports_f8(q.dtype)``; subnormal values read as zero where
     ``decode_f8_flushes_subnormals``, else every code as its value). Returns [B, H, D] in q's dtype
     (``out`` if given). Accumulation is in float32. A sequence of length 0 gets zeros.
     """
@@ -178,15 +178,15 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
 
 
 def decode_supports_f8(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether this host's build of the decode and prefill kernels reads float8_e5m2 caches with
-    queries of ``dtype``: bf16 on a CPU with AVX512-BF16; bf16 and float32 in a build for AVX2 +
+    """Whether this host's build of the decode and prefill kernels reads one-byte caches
+    (float8_e5m2, float8_e4m3fn) with queries of ``dtype``: bf16 on a CPU with AVX512-BF16; bf16 and float32 in a build for AVX2 +
     FMA + F16C, which widens the codes to float32."""
     load_extension()
     return bool(torch.ops.pagoda_cpu.decode_supports_f8(dtype))
 
 
 def decode_f8_flushes_subnormals() -> bool:
-    """Whether this build reads subnormal float8_e5m2 codes as zero (the AVX512-BF16 kernels, whose
+    """Whether this build reads subnormal one-byte codes as zero (the AVX512-BF16 kernels, whose
     dot products treat subnormal inputs so) rather than as their values (AVX2 builds)."""
     load_extension()
     return bool(torch.ops.pagoda_cpu.decode_f8_flushes_subnormals())
@@ -244,7 +244,7 @@ class CpuAttention(TorchAttention):
                 and value.stride(1) == value.shape[2] and key_cache.is_contiguous() and value_cache.is_contiguous()
                 and slot_mapping.dtype == torch.int64 and key.dtype == value.dtype
                 and (key_cache.dtype == key.dtype
-                     or (key_cache.dtype == torch.float8_e5m2 and key.dtype in (torch.bfloat16, torch.float32)))):
+                     or (key_cache.dtype in ONE_BYTE_DTYPES and key.dtype in (torch.bfloat16, torch.float32)))):
             self._reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous())
         else:
             super().write_kv(key, value, key_cache, value_cache, slot_mapping)
@@ -253,8 +253,8 @@ class CpuAttention(TorchAttention):
         return prefill_supported(dtype)
 
     def reads_cache_dtype(self, cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
-        # A one-byte cache (float8_e5m2) with a bf16 or float32 model, where the build's kernels read it.
-        one_byte = (cache_dtype == torch.float8_e5m2 and dtype in (torch.bfloat16, torch.float32)
+        # A one-byte cache with a bf16 or float32 model, where the build's kernels read it.
+        one_byte = (cache_dtype in ONE_BYTE_DTYPES and dtype in (torch.bfloat16, torch.float32)
                     and decode_supports_f8(dtype))
         return one_byte or super().reads_cache_dtype(cache_dtype, dtype)
 

@@ -17,6 +17,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from .attention import ONE_BYTE_DTYPES
+
 logger = logging.getLogger(__name__)
 
 AMX_GEMM_MAX_ROWS = 1024  # CpuLayerOps.gemm_max_rows on a CPU with AMX
@@ -32,7 +34,7 @@ class TorchLayerOps:
     f32_gemm_preferred = False  # and the engine's default there (EngineConfig.cpu_f32_gemm None)
     gemm_max_rows: int | None = 0  # the most rows the model hands gemm_linear (None: any number)
     runs_decoder_layers = False  # CpuLayerOps: decoder_layers, a stack of Llama layers in one C++ call
-    reads_one_byte_cache = False  # CpuLayerOps: its K/V writers take float8_e5m2 caches (bf16 or float32 rows)
+    reads_one_byte_cache = False  # CpuLayerOps: its K/V writers take one-byte caches (bf16 or float32 rows)
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
@@ -149,7 +151,7 @@ class CpuLayerOps(TorchLayerOps):
         # One pass instead of rotary(q), rotary(k) and reshape_and_cache: no k temporary, one
         # parallel region instead of three (~90 -> ~50 us a layer in a 256-sequence decode step).
         positions, cos_table, sin_table, _ = rope
-        one_byte = key_cache.dtype == torch.float8_e5m2 and qkv.dtype in (torch.bfloat16, torch.float32)  # e5m2 codes
+        one_byte = key_cache.dtype in ONE_BYTE_DTYPES and qkv.dtype in (torch.bfloat16, torch.float32)  # codes
         if (qkv.dtype not in self._DTYPES or qkv.dim() != 2 or qkv.stride(-1) != 1
                 or not (key_cache.dtype == qkv.dtype or one_byte) or key_cache.device.type != "cpu" or not key_cache.is_contiguous()
                 or not value_cache.is_contiguous() or slot_mapping.dtype != torch.int64):

@@ -242,15 +242,25 @@ def test_bad_arguments_raise():
         paged_decode_attention(q.bfloat16(), kc, vc, bt, sl, 0.125)
 
 
-def e5m2_values(cache: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """A float8_e5m2 cache's values as the kernels read them with queries of ``dtype``, in that
-    dtype (every e5m2 value is a bf16 one): subnormal codes as zero where the build's bf16 dot
-    products flush them, else as they are (infinities and NaNs stay, so a read of a poisoned slot
-    still shows)."""
+def f8_values(cache: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A one-byte (float8_e5m2 or float8_e4m3fn) cache's values as the kernels read them with queries
+    of ``dtype``, in that dtype (every e5m2 and e4m3 value is a bf16 one): subnormal codes as zero
+    where the build's bf16 dot products flush them, else as they are (infinities and NaNs stay, so a
+    read of a poisoned slot still shows)."""
     values = cache.to(dtype)
     if not decode_f8_flushes_subnormals():
         return values
-    return values.masked_fill((cache.view(torch.uint8) & 0x7C) == 0, 0.0)
+    exponent = 0x7C if cache.dtype == torch.float8_e5m2 else 0x78
+    return values.masked_fill((cache.view(torch.uint8) & exponent) == 0, 0.0)
+
+
+# The one-byte caches: vLLM's kv_cache_dtype "fp8_e5m2" and "fp8" / "fp8_e4m3".
+F8_DTYPES = [torch.float8_e5m2, torch.float8_e4m3fn]
+F8_IDS = ["e5m2", "e4m3"]
+
+
+def f8_name(f8: torch.dtype) -> str:
+    return str(f8).removeprefix("torch.")
 
 
 F8_SHAPES = [(9, 3, 64), (4, 4, 64), (12, 1, 64), (8, 2, 128), (4, 2, 80)]
@@ -259,54 +269,59 @@ F8_SHAPES = [(9, 3, 64), (4, 4, 64), (12, 1, 64), (8, 2, 128), (4, 2, 80)]
 @pytest.mark.parametrize("h,kvh,d", F8_SHAPES, ids=[f"{h}x{kvh}x{d}" for h, kvh, d in F8_SHAPES])
 @pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_one_byte_cache_gives_the_bits_of_a_cache_of_its_values(op, h, kvh, d, num_threads, dtype):
-    """bf16 or float32 queries on float8_e5m2 caches (vLLM's ``kv_cache_dtype="fp8_e5m2"``: one
-    byte a value) give bitwise what the kernel gives on caches of q's dtype holding the codes'
-    values (subnormal codes read as zero where the build's dot products flush them; AVX2 builds
-    widen every code exactly): every span path (SmolLM2's paired tokens with all kv heads' queries in
-    registers, one token a vector, head_dim 128 and 80 with its half-width chunk, more query heads
-    than a pass takes), split contexts, a speculative step's grouped rows and the poisoned slots a
-    wrong read would bring in. Where the build cannot read such caches with q's dtype (float32 q:
-    AVX2 builds only) the op refuses them."""
+@pytest.mark.parametrize("f8", F8_DTYPES, ids=F8_IDS)
+def test_one_byte_cache_gives_the_bits_of_a_cache_of_its_values(op, h, kvh, d, num_threads, dtype, f8):
+    """bf16 or float32 queries on float8_e5m2 or float8_e4m3fn caches (vLLM's
+    ``kv_cache_dtype="fp8_e5m2"`` and ``"fp8"``: one byte a value) give bitwise what the kernel gives
+    on caches of q's dtype holding the codes' values (subnormal codes read as zero where the build's
+    dot products flush them; AVX2 builds widen every code exactly): every span path (SmolLM2's
+    paired tokens with all kv heads' queries in registers, one token a vector, head_dim 128 and 80
+    with its half-width chunk, more query heads than a pass takes), split contexts, a speculative
+    step's grouped rows and the poisoned slots a wrong read would bring in. Where the build cannot
+    read such caches with q's dtype (float32 q: AVX2 builds only) the op refuses them."""
     q, kc, vc, bt, sl = make_inputs(LENS + [3000, 0, 1500], h, kvh, d, 16, dtype, seed=h + d)
-    kc8, vc8 = kc.to(torch.float8_e5m2), vc.to(torch.float8_e5m2)
+    kc8, vc8 = kc.to(f8), vc.to(f8)
     kc8.view(torch.uint8)[0, 0, 0, :4] = torch.tensor([0x01, 0x82, 0x03, 0x00], dtype=torch.uint8)  # subnormals
     out = torch.empty_like(q)
     if not decode_supports_f8(dtype):
-        with pytest.raises(RuntimeError, match="float8_e5m2 cache with .* q needs a CPU with AVX512-BF16"):
+        with pytest.raises(RuntimeError, match=f"a {f8_name(f8)} cache with .* q needs a CPU with AVX512-BF16"):
             op(q, kc8, vc8, bt, sl, 0.125, out, num_threads)
         return
     op(q, kc8, vc8, bt, sl, 0.125, out, num_threads)
     want = torch.empty_like(q)
-    kv = e5m2_values(kc8, dtype), e5m2_values(vc8, dtype)
+    kv = f8_values(kc8, dtype), f8_values(vc8, dtype)
     op(q, *kv, bt, sl, 0.125, want, num_threads)
     assert not want.isnan().any()
     assert torch.equal(out, want)
     torch.testing.assert_close(out.double(), reference(q, *kv, bt, sl, 0.125), **TOL[dtype])
     # A speculative step's rows, grouped into one item, and each row alone.
     qs, kcs, vcs, bts, sls = speculative_rows([1, 30, 63, 100], 3, 16, dtype, seed=d)
-    kcs8, vcs8 = kcs.to(torch.float8_e5m2), vcs.to(torch.float8_e5m2)
+    kcs8, vcs8 = kcs.to(f8), vcs.to(f8)
     grouped, alone = torch.empty_like(qs), torch.empty_like(qs)
     op(qs, kcs8, vcs8, bts, sls, 0.125, grouped, num_threads)
     for i in range(qs.shape[0]):
         op(qs[i:i + 1], kcs8, vcs8, bts[i:i + 1], sls[i:i + 1], 0.125, alone[i:i + 1], num_threads)
     want = torch.empty_like(qs)
-    op(qs, e5m2_values(kcs8, dtype), e5m2_values(vcs8, dtype), bts, sls, 0.125, want, num_threads)
+    op(qs, f8_values(kcs8, dtype), f8_values(vcs8, dtype), bts, sls, 0.125, want, num_threads)
     assert torch.equal(grouped, alone) and torch.equal(grouped, want)
 
 
-def test_one_byte_cache_arguments(op):
-    """A float8_e5m2 cache takes bf16 or float32 queries only, both caches in it, in decode and
-    prefill alike. Each refusal names what it wants."""
+@pytest.mark.parametrize("f8", F8_DTYPES, ids=F8_IDS)
+def test_one_byte_cache_arguments(op, f8):
+    """A one-byte cache takes bf16 or float32 queries only, both caches in it (of one format), in
+    decode and prefill alike. Each refusal names what it wants."""
     q, kc, vc, bt, sl = make_inputs([20, 3], 9, 3, 64, 16, torch.bfloat16, seed=2)
-    kc8, vc8 = kc.to(torch.float8_e5m2), vc.to(torch.float8_e5m2)
+    kc8, vc8 = kc.to(f8), vc.to(f8)
+    other = vc.to(F8_DTYPES[1 - F8_DTYPES.index(f8)])
     qs = torch.tensor([0, 1, 2], dtype=torch.int32)
     for call in (lambda *a: paged_decode_attention(*a, bt, sl, 0.125),
                  lambda *a: paged_prefill_attention(*a, bt, qs, sl, 0.125)):
-        with pytest.raises(RuntimeError, match="takes bfloat16 or float32 q, got Half"):
+        with pytest.raises(RuntimeError, match=f"a {f8_name(f8)} cache takes bfloat16 or float32 q, got Half"):
             call(q.half(), kc8, vc8)
         with pytest.raises(RuntimeError, match="key_cache and value_cache must share a dtype"):
             call(q, kc8, vc)
+        with pytest.raises(RuntimeError, match="key_cache and value_cache must share a dtype"):
+            call(q, kc8, other)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -626,24 +641,25 @@ def test_reshape_and_cache_refuses_bad_slots_and_shapes():
 
 @needs_prefill
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_one_byte_cache_prefill_gives_the_bits_of_a_cache_of_its_values(prefill_op, dtype):
-    """The prefill kernel on float8_e5m2 caches (each key tile's codes turned into values of q's
-    dtype first) gives bitwise what it gives on caches of q's dtype holding the codes' values as
-    decode reads them: on AMX tiles and on vectors, chunks with and without cached context, the
-    poisoned slots a wrong read would bring in. Where the build cannot read such caches with q's
+@pytest.mark.parametrize("f8", F8_DTYPES, ids=F8_IDS)
+def test_one_byte_cache_prefill_gives_the_bits_of_a_cache_of_its_values(prefill_op, dtype, f8):
+    """The prefill kernel on float8_e5m2 or float8_e4m3fn caches (each key tile's codes turned into
+    values of q's dtype first) gives bitwise what it gives on caches of q's dtype holding the codes'
+    values as decode reads them: on AMX tiles and on vectors, chunks with and without cached context,
+    the poisoned slots a wrong read would bring in. Where the build cannot read such caches with q's
     dtype it refuses them."""
     chunks = PREFILL_CHUNKS + [(300, 90)]
     q, kc, vc, bt, qs, sl = make_prefill_inputs(chunks, 9, 3, 64, 16, dtype, seed=5)
-    kc8, vc8 = kc.to(torch.float8_e5m2), vc.to(torch.float8_e5m2)
+    kc8, vc8 = kc.to(f8), vc.to(f8)
     kc8.view(torch.uint8)[int(bt[0, 0]), 0, 0, :3] = torch.tensor([0x01, 0x83, 0x00], dtype=torch.uint8)
     out = torch.empty_like(q)
     if not decode_supports_f8(dtype):
-        with pytest.raises(RuntimeError, match="float8_e5m2 cache with .* q needs a CPU with AVX512-BF16"):
+        with pytest.raises(RuntimeError, match=f"a {f8_name(f8)} cache with .* q needs a CPU with AVX512-BF16"):
             prefill_op(q, kc8, vc8, bt, qs, sl, 0.125, out, 2)
         return
     for _ in each_prefill_variant() if dtype in PREFILL_DTYPES else ():
         for threads in (1, 2):
             prefill_op(q, kc8, vc8, bt, qs, sl, 0.125, out, threads)
-            want = check_prefill(q, e5m2_values(kc8, dtype), e5m2_values(vc8, dtype), bt, qs, sl, 0.125,
+            want = check_prefill(q, f8_values(kc8, dtype), f8_values(vc8, dtype), bt, qs, sl, 0.125,
                                  op=prefill_op, num_threads=threads)
             assert torch.equal(out, want)

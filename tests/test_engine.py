@@ -788,11 +788,14 @@ def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir
 
 
 def test_kv_cache_dtype_is_checked_naming_the_option():
-    """vLLM's kv_cache_dtype: 'auto' or 'fp8_e5m2' (one byte a value); e4m3 and other names are
-    refused, and so is a one-byte cache for a float16 model or off the CPU."""
+    """vLLM's kv_cache_dtype: 'auto', or one byte a value: 'fp8' and 'fp8_e4m3' (float8_e4m3fn) or
+    'fp8_e5m2'; other names are refused, and so is a one-byte cache for a float16 model or off the
+    CPU."""
     assert EngineConfig().torch_kv_cache_dtype == torch.bfloat16
     assert EngineConfig(kv_cache_dtype="fp8_e5m2").torch_kv_cache_dtype == torch.float8_e5m2
-    for bad in ("fp8", "fp8_e4m3", "int8", "bfloat16"):
+    assert EngineConfig(kv_cache_dtype="fp8").torch_kv_cache_dtype == torch.float8_e4m3fn
+    assert EngineConfig(kv_cache_dtype="fp8_e4m3").torch_kv_cache_dtype == torch.float8_e4m3fn
+    for bad in ("fp8_e4m3fn", "int8", "bfloat16"):
         with pytest.raises(ValueError, match=r"kv_cache_dtype must be 'auto' \(the model dtype\) or one of"):
             EngineConfig(kv_cache_dtype=bad)
     assert EngineConfig(kv_cache_dtype="fp8_e5m2", dtype="float32").torch_kv_cache_dtype == torch.float8_e5m2
@@ -802,20 +805,22 @@ def test_kv_cache_dtype_is_checked_naming_the_option():
         EngineConfig(kv_cache_dtype="fp8_e5m2", device="cuda")
 
 
-def _check_one_byte_cache_against(fp8, ref, prompts, ratio):
-    """fp8 (kv_cache_dtype="fp8_e5m2") against ref (the model dtype's cache), engines alike but for
-    the cache: ``ratio`` times the blocks; after a prefill layer 0's K/V codes are bitwise torch's
-    conversion of ref's; each request's greedy tokens the same alone as in a batch. Returns the
-    batch's tokens."""
+def _check_one_byte_cache_against(fp8, ref, prompts, ratio, f8):
+    """fp8 (a one-byte kv_cache_dtype, torch dtype f8) against ref (the model dtype's cache), engines
+    alike but for the cache: ``ratio`` times the blocks; after a prefill layer 0's K/V codes are
+    bitwise torch's conversion of ref's (to_cache_dtype); each request's greedy tokens the same
+    alone as in a batch. Returns the batch's tokens."""
+    from pagoda_kernels.attention import to_cache_dtype
+
     r8, rr = fp8.llm_engine.runner, ref.llm_engine.runner
-    assert r8.kv_cache.dtype == torch.float8_e5m2 and rr.kv_cache.dtype == ref.llm_engine.config.torch_dtype
+    assert r8.kv_cache.dtype == f8 and rr.kv_cache.dtype == ref.llm_engine.config.torch_dtype
     assert fp8.llm_engine.config.num_kv_blocks // ratio == ref.llm_engine.config.num_kv_blocks  # (budget // bytes)
     one = SamplingParams(temperature=0, max_tokens=1)
     for llm in (fp8, ref):
         llm.generate({"prompt_token_ids": prompts[0] * 2}, one, use_tqdm=False)
     n = rr.kv_cache.shape[2]
     got = r8.kv_cache[0, :, :n].view(torch.uint8)
-    assert got.any() and torch.equal(got, rr.kv_cache[0].to(torch.float8_e5m2).view(torch.uint8))
+    assert got.any() and torch.equal(got, to_cache_dtype(rr.kv_cache[0], f8).view(torch.uint8))
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts[:5]]
     together = [o.outputs[0].token_ids for o in fp8.generate(batch, greedy, use_tqdm=False)]
@@ -824,30 +829,38 @@ def _check_one_byte_cache_against(fp8, ref, prompts, ratio):
     return together
 
 
-def test_one_byte_kv_cache_holds_twice_the_tokens_and_each_rows_own_tokens(bundled_dir, prompts):
-    """kv_cache_dtype="fp8_e5m2": the cache holds float8_e5m2 codes, twice the blocks a budget
-    holds; after a prefill its layer-0 K/V (the same inputs in both engines) are bitwise torch's
-    conversion of a bf16 engine's, through the engine's own writers (the QKV GEMM's epilogue in the
-    one-call layer stack); a request's greedy tokens are the same alone as in a batch with chunked
-    prefill beside decodes and with prompt-lookup drafts. Where the CPU cannot read such a cache
-    (neither AVX512-BF16 nor an AVX2 build) the engine refuses it, naming the option."""
+ONE_BYTE_CACHES = [pytest.param("fp8_e5m2", torch.float8_e5m2, id="e5m2"),
+                   pytest.param("fp8", torch.float8_e4m3fn, id="e4m3")]
+
+
+@pytest.mark.parametrize("kv_cache_dtype,f8", ONE_BYTE_CACHES)
+def test_one_byte_kv_cache_holds_twice_the_tokens_and_each_rows_own_tokens(bundled_dir, prompts, kv_cache_dtype, f8):
+    """kv_cache_dtype "fp8_e5m2" or "fp8" (e4m3): the cache holds float8_e5m2 or float8_e4m3fn
+    codes, twice the blocks a budget holds; after a prefill its layer-0 K/V (the same inputs in both
+    engines) are bitwise torch's conversion of a bf16 engine's, through the engine's own writers
+    (the QKV GEMM's epilogue in the one-call layer stack); a request's greedy tokens are the same
+    alone as in a batch with chunked prefill beside decodes and with prompt-lookup drafts. Where the
+    CPU cannot read such a cache (neither AVX512-BF16 nor an AVX2 build) the engine refuses it,
+    naming the option."""
     from pagoda_kernels.cpu_attention import decode_supports_f8
 
     opts = dict(kv_cache_memory_bytes=64 << 20, max_model_len=1024, enable_prefix_caching=False, seed=0)
     if not decode_supports_f8():
-        with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' needs Pagoda's C\\+\\+ attention"):
-            LLM(bundled_dir, kv_cache_dtype="fp8_e5m2", **opts)
+        with pytest.raises(ValueError, match=f"kv_cache_dtype '{kv_cache_dtype}' needs Pagoda's C\\+\\+ attention"):
+            LLM(bundled_dir, kv_cache_dtype=kv_cache_dtype, **opts)
         return
-    fp8 = LLM(bundled_dir, kv_cache_dtype="fp8_e5m2", max_num_batched_tokens=48, **opts)
+    fp8 = LLM(bundled_dir, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=48, **opts)
     assert fp8.llm_engine.runner.model.layer_stack is not None  # the one-call layers write and read the codes
-    together = _check_one_byte_cache_against(fp8, LLM(bundled_dir, max_num_batched_tokens=48, **opts), prompts, 2)
+    together = _check_one_byte_cache_against(fp8, LLM(bundled_dir, max_num_batched_tokens=48, **opts), prompts, 2,
+                                             f8)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts[:5]]
-    drafted = LLM(bundled_dir, kv_cache_dtype="fp8_e5m2", num_speculative_tokens=3, **opts)
+    drafted = LLM(bundled_dir, kv_cache_dtype=kv_cache_dtype, num_speculative_tokens=3, **opts)
     assert [o.outputs[0].token_ids for o in drafted.generate(batch, greedy, use_tqdm=False)] == together
 
 
-def test_one_byte_kv_cache_for_a_float32_model(bundled_dir, prompts):
+@pytest.mark.parametrize("kv_cache_dtype,f8", ONE_BYTE_CACHES)
+def test_one_byte_kv_cache_for_a_float32_model(bundled_dir, prompts, kv_cache_dtype, f8):
     """A float32 model's one-byte cache: four times the blocks of its float32 budget; after a
     prefill its layer-0 K/V are bitwise torch's conversion of a float32 engine's; a request's greedy
     tokens are the same alone as in a batch with chunked prefill beside decodes. Where the build
@@ -857,11 +870,11 @@ def test_one_byte_kv_cache_for_a_float32_model(bundled_dir, prompts):
     opts = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024, enable_prefix_caching=False,
                 seed=0, max_num_batched_tokens=48)
     if not decode_supports_f8(torch.float32):
-        with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' needs Pagoda's C\\+\\+ attention"):
-            LLM(bundled_dir, kv_cache_dtype="fp8_e5m2", **opts)
+        with pytest.raises(ValueError, match=f"kv_cache_dtype '{kv_cache_dtype}' needs Pagoda's C\\+\\+ attention"):
+            LLM(bundled_dir, kv_cache_dtype=kv_cache_dtype, **opts)
         return
-    _check_one_byte_cache_against(LLM(bundled_dir, kv_cache_dtype="fp8_e5m2", **opts), LLM(bundled_dir, **opts),
-                                  prompts, 4)
+    _check_one_byte_cache_against(LLM(bundled_dir, kv_cache_dtype=kv_cache_dtype, **opts), LLM(bundled_dir, **opts),
+                                  prompts, 4, f8)
 
 
 def test_one_byte_kv_cache_swaps_out_and_back_as_its_codes(bundled_dir, prompts):

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from pagoda_kernels.attention import to_cache_dtype
 from pagoda_kernels.cpu_attention import build_cpu_flags
 from pagoda_kernels.layer_ops import CpuLayerOps, TorchLayerOps
 
@@ -124,36 +125,46 @@ def test_rotary_qkv_to_cache_is_rotary_then_reshape_and_cache(ops, dtype, heads,
     assert not torch.equal(kc, caches[0])
 
 
-def test_one_byte_cache_writers_store_torchs_float8_e5m2_codes(ops):
-    """Into a one-byte (float8_e5m2) cache each C++ writer stores what torch's conversion of its
-    bf16 or float32 rows gives: reshape_and_cache for every one of the 65536 bf16 bit patterns
-    (subnormals, halfway cases, overflow to infinity, NaN), and for float32 rows those patterns
-    with random low mantissa bits and the exact halfway and round-up points below them; and
-    rotary_qkv_to_cache its bf16 or float32 cache's new rows converted, every other slot untouched.
-    Rows of another dtype are refused."""
+@pytest.mark.parametrize("f8", [torch.float8_e5m2, torch.float8_e4m3fn], ids=["e5m2", "e4m3"])
+def test_one_byte_cache_writers_store_torchs_codes(ops, f8):
+    """Into a one-byte cache each C++ writer stores what torch's conversion of its bf16 or float32
+    rows gives (float8_e4m3fn: of the rows clamped to +-448, where torch alone gives NaN):
+    reshape_and_cache for every one of the 65536 bf16 bit patterns (subnormals, halfway cases,
+    overflow, NaN), and for float32 rows those patterns with random low mantissa bits and the exact
+    halfway and round-up points below them; and rotary_qkv_to_cache its bf16 or float32 cache's new
+    rows converted, every other slot untouched. Rows of another dtype are refused."""
     from pagoda_kernels.cpu_attention import CpuAttention
 
     cpu, _ = ops
     g = torch.Generator().manual_seed(3)
     key = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(1024, 2, 32)
     value = key.flip(0)
-    kc8, vc8 = (torch.zeros(64, 16, 2, 32, dtype=torch.float8_e5m2) for _ in range(2))
+    kc8, vc8 = (torch.zeros(64, 16, 2, 32, dtype=f8) for _ in range(2))
     slots = torch.randperm(1024, generator=g)
     CpuAttention().write_kv(key, value, kc8, vc8, slots)
-    # float32 rows: each bf16 pattern with random low 16 bits, exactly halfway to the next e5m2 code
-    # (bits 0-20 of the mantissa 0x100000), and one above and below halfway.
+    # float32 rows: each bf16 pattern with random low 16 bits, exactly halfway to the next code
+    # (e5m2: the mantissa's bits 0-20 at 0x100000; e4m3: bits 0-19 at 0x80000), and one above and
+    # below halfway.
+    half = 0x100000 if f8 == torch.float8_e5m2 else 0x80000
     bits = key.view(torch.int16).to(torch.int32).view(1024, 64) << 16
     low = torch.randint(0, 1 << 16, bits.shape, generator=g, dtype=torch.int32)
-    keep = bits & ~0x1FFFFF
-    variants = [bits | low, keep | 0x100000, keep | 0x100001, keep | 0x0FFFFF]
+    keep = bits & ~(2 * half - 1)
+    variants = [bits | low, keep | half, keep | (half + 1), keep | (half - 1)]
     for i, rows32 in enumerate(variants):
         key32 = rows32.view(torch.float32).view(1024, 2, 32)
         value32 = variants[(i + 1) % len(variants)].view(torch.float32).view(1024, 2, 32)
         CpuAttention().write_kv(key32, value32, kc8, vc8, slots)
         for cache, rows in ((kc8, key32), (vc8, value32)):
-            want = torch.zeros(1024, 2, 32, dtype=torch.float8_e5m2)
-            want[slots] = rows.to(torch.float8_e5m2)
+            want = torch.zeros(1024, 2, 32, dtype=f8)
+            want[slots] = to_cache_dtype(rows, f8)
             assert torch.equal(cache.view(torch.uint8).view(1024, 2, 32), want.view(torch.uint8))
+    if f8 == torch.float8_e4m3fn:  # saturation, not NaN: the largest code, 448, for every large value
+        big = torch.tensor([448.0, 449.0, 464.0, 1e4, float("inf")]).repeat_interleave(2)
+        big[1::2] *= -1
+        rows = torch.cat([big, torch.zeros(54)]).view(1, 2, 32)
+        CpuAttention().write_kv(rows, rows, kc8, vc8, slots[:1])
+        codes = kc8.view(torch.uint8).view(1024, 2, 32)[slots[0]].flatten()[:10]
+        assert codes.tolist() == [0x7E, 0xFE] * 5
 
     heads, kvh, dim, rows, cached, max_pos = 9, 3, 64, 70, 61, 512
     cos_t, sin_t = _rope_tables(dim, max_pos)
@@ -163,15 +174,15 @@ def test_one_byte_cache_writers_store_torchs_float8_e5m2_codes(ops):
         qkv = (4 * torch.randn(rows, (heads + 2 * kvh) * dim, generator=g)).to(dtype)
         rope = cpu.rope_inputs(positions, cos_t, sin_t, dtype)
         kc, vc = (torch.randn(40, 16, kvh, dim, generator=g).to(dtype) for _ in range(2))
-        kc8, vc8 = kc.to(torch.float8_e5m2), vc.to(torch.float8_e5m2)
+        kc8, vc8 = kc.to(f8), vc.to(f8)
         q8 = cpu.rotary_qkv_to_cache(qkv, rope, heads, kc8, vc8, slots)
         q = cpu.rotary_qkv_to_cache(qkv, rope, heads, kc, vc, slots)
         assert q8 is not None and torch.equal(q8, q)
-        assert torch.equal(kc8.view(torch.uint8), kc.to(torch.float8_e5m2).view(torch.uint8))
-        assert torch.equal(vc8.view(torch.uint8), vc.to(torch.float8_e5m2).view(torch.uint8))
-    with pytest.raises(RuntimeError, match=r"or float8_e5m2 caches"):
+        assert torch.equal(kc8.view(torch.uint8), to_cache_dtype(kc, f8).view(torch.uint8))
+        assert torch.equal(vc8.view(torch.uint8), to_cache_dtype(vc, f8).view(torch.uint8))
+    with pytest.raises(RuntimeError, match=r"or one-byte caches"):
         torch.ops.pagoda_cpu.rotary_qkv_to_cache(qkv.half(), positions, cos_t, sin_t, q.half(), kc8, vc8, slots)
-    with pytest.raises(RuntimeError, match=r"or be bf16 or float32 for float8_e5m2 caches"):
+    with pytest.raises(RuntimeError, match=r"or be bf16 or float32 for one-byte caches"):
         rows16 = torch.zeros(4, kvh, dim).half()
         torch.ops.pagoda_cpu.reshape_and_cache(rows16, rows16, kc8, vc8, slots[:4])
 
@@ -702,12 +713,13 @@ def test_gemm_linear_rotary_qkv_to_cache_is_the_gemm_then_rotary_qkv_to_cache(op
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu.gemm_linear_rotary_qkv_to_cache(x, cpu.gemm_pack(w), rope, heads, kc, vc,
                                            torch.full((cached,), blocks * bs))
-    if dtype in (torch.bfloat16, torch.float32):  # a one-byte cache: those rows as torch converts them
-        kc8, vc8 = caches[0].to(torch.float8_e5m2), caches[1].to(torch.float8_e5m2)
+    for f8 in (torch.float8_e5m2, torch.float8_e4m3fn) if dtype in (torch.bfloat16, torch.float32) else ():
+        # a one-byte cache: those rows as torch converts them
+        kc8, vc8 = caches[0].to(f8), caches[1].to(f8)
         q8 = cpu.gemm_linear_rotary_qkv_to_cache(x, cpu.gemm_pack(w), rope, heads, kc8, vc8, slots)
         assert torch.equal(q8, q_ref)
-        assert torch.equal(kc8.view(torch.uint8), kc_ref.to(torch.float8_e5m2).view(torch.uint8))
-        assert torch.equal(vc8.view(torch.uint8), vc_ref.to(torch.float8_e5m2).view(torch.uint8))
+        assert torch.equal(kc8.view(torch.uint8), to_cache_dtype(kc_ref, f8).view(torch.uint8))
+        assert torch.equal(vc8.view(torch.uint8), to_cache_dtype(vc_ref, f8).view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype,w_dtype,float32_kernel", [

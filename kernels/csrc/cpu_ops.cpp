@@ -21,6 +21,7 @@
 
 #include "pagoda_cpu.h"
 
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
 #include <cpuid.h>
@@ -390,12 +391,42 @@ void rotary_impl(const T* x, int64_t x_stride, T* out, const int64_t* positions,
   }
 }
 
-// ---- a one-byte K/V cache (float8_e5m2 codes; the decode kernel reads them) -------------------------
-// Codes of n bf16 or float32 values as torch's conversion to float8_e5m2 gives them (c10's
-// fp8e5m2_from_fp32_value: nearest even, subnormals kept, overflow to infinity): a one-byte cache's
-// writers store exactly what key.to(torch.float8_e5m2) stores.
-template <typename S>
-inline void e5m2_row(const S* src, uint8_t* dst, int64_t n) {
+// ---- a one-byte K/V cache (float8_e5m2 or float8_e4m3fn codes; the decode kernel reads them) ------
+// Codes of n bf16 or float32 values as torch's conversion gives them: for e5m2, c10's
+// fp8e5m2_from_fp32_value (nearest even, subnormals kept, overflow to infinity), so the writers store
+// exactly what key.to(torch.float8_e5m2) stores; for e4m3, c10's fp8e4m3fn_from_fp32_value on the
+// values clamped to [-448, 448] (nearest even, subnormals kept, saturating where torch's conversion
+// alone gives NaN, as vLLM's fp8 writers do): key.clamp(-448, 448).to(torch.float8_e4m3fn).
+// The steps, lane by lane on |x|'s float32 bits f: a normal result rounds the mantissa to M bits
+// (nearest even) and rebiases the exponent; below the smallest normal, a float add rounds to a
+// multiple of the smallest subnormal; at or above `big`, the largest code (infinity for e5m2, 448
+// for e4m3), NaN a NaN.
+template <int F8>
+struct F8Steps;
+template <>
+struct F8Steps<pagoda::kE5M2> {
+  static constexpr int kShift = 21;                           // 23 - mantissa bits
+  static constexpr uint32_t kRebias = (uint32_t(15 - 127) << 23) + 0xFFFFF;
+  static constexpr uint32_t kMinNormal = 113u << 23;          // 2^-14
+  static constexpr uint32_t kDenorm = 134u << 23;             // 2^7: its float ulp is 2^-16
+  static constexpr uint32_t kBig = 143u << 23;                // 2^16
+  static constexpr uint32_t kBigCode = 0x7C;                  // infinity
+  static uint8_t scalar(float v) { return c10::Float8_e5m2(v).x; }
+};
+template <>
+struct F8Steps<pagoda::kE4M3> {
+  static constexpr int kShift = 20;
+  static constexpr uint32_t kRebias = (uint32_t(7 - 127) << 23) + 0x7FFFF;
+  static constexpr uint32_t kMinNormal = 121u << 23;          // 2^-6
+  static constexpr uint32_t kDenorm = 141u << 23;             // 2^14: its float ulp is 2^-9
+  static constexpr uint32_t kBig = 0x43E00000u;               // 448
+  static constexpr uint32_t kBigCode = 0x7E;                  // 448
+  static uint8_t scalar(float v) { return c10::Float8_e4m3fn(std::isnan(v) ? v : std::clamp(v, -448.f, 448.f)).x; }
+};
+
+template <int F8, typename S>
+inline void f8_row(const S* src, uint8_t* dst, int64_t n) {
+  using K = F8Steps<F8>;
   int64_t i = 0;
 #if PAGODA_EW_AVX512
   if constexpr (std::is_same_v<S, bf16_t>) {  // (float32 rows: the AVX2 steps, or c10's)
@@ -405,16 +436,13 @@ inline void e5m2_row(const S* src, uint8_t* dst, int64_t n) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16);
     const __m512i sign = _mm512_and_si512(bits, c(0x80000000u));
     const __m512i f = _mm512_xor_si512(bits, sign);
-    // normal: round the mantissa to 2 bits (nearest even) and rebias the exponent
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(f, 21), c(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(f, c((uint32_t(15 - 127) << 23) + 0xFFFFF)), odd), 21);
-    // below the smallest normal (2^-14): the float add that rounds to a multiple of 2^-16
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(f, K::kShift), c(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(f, c(K::kRebias)), odd), K::kShift);
     const __m512i den = _mm512_sub_epi32(
-        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(f), _mm512_castsi512_ps(c(134u << 23)))), c(134u << 23));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epu32_mask(f, c(113u << 23)), den);
-    // 2^16 and above: infinity, NaN a NaN
-    const __m512i big = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(f, c(0x7F800000u)), c(0x7C), c(0x7F));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epu32_mask(f, c(143u << 23)), big);
+        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(f), _mm512_castsi512_ps(c(K::kDenorm)))), c(K::kDenorm));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epu32_mask(f, c(K::kMinNormal)), den);
+    const __m512i big = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(f, c(0x7F800000u)), c(K::kBigCode), c(0x7F));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epu32_mask(f, c(K::kBig)), big);
     r = _mm512_or_si512(_mm512_and_si512(r, c(0xFF)), _mm512_srli_epi32(sign, 24));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtepi32_epi8(r));
   }
@@ -433,37 +461,48 @@ inline void e5m2_row(const S* src, uint8_t* dst, int64_t n) {
       bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
     const __m256i sign = _mm256_and_si256(bits, c(0x80000000u));
     const __m256i f = _mm256_xor_si256(bits, sign);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(f, 21), c(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(f, c((uint32_t(15 - 127) << 23) + 0xFFFFF)), odd), 21);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(f, K::kShift), c(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(f, c(K::kRebias)), odd), K::kShift);
     const __m256i den = _mm256_sub_epi32(
-        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(f), _mm256_castsi256_ps(c(134u << 23)))), c(134u << 23));
-    r = _mm256_blendv_epi8(r, den, _mm256_cmpgt_epi32(c(113u << 23), f));
-    const __m256i big = _mm256_blendv_epi8(c(0x7C), c(0x7F), _mm256_cmpgt_epi32(f, c(0x7F800000u)));
-    r = _mm256_blendv_epi8(r, big, _mm256_cmpgt_epi32(f, c((143u << 23) - 1)));
+        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(f), _mm256_castsi256_ps(c(K::kDenorm)))), c(K::kDenorm));
+    r = _mm256_blendv_epi8(r, den, _mm256_cmpgt_epi32(c(K::kMinNormal), f));
+    const __m256i big = _mm256_blendv_epi8(c(K::kBigCode), c(0x7F), _mm256_cmpgt_epi32(f, c(0x7F800000u)));
+    r = _mm256_blendv_epi8(r, big, _mm256_cmpgt_epi32(f, c(K::kBig - 1)));
     r = _mm256_or_si256(_mm256_and_si256(r, c(0xFF)), _mm256_srli_epi32(sign, 24));
     const __m256i b = _mm256_shuffle_epi8(r, low_bytes);  // each 128-bit lane's 4 codes in its low dword
     _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i),
                      _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
   }
 #endif
-  for (; i < n; ++i) dst[i] = c10::Float8_e5m2(load(src[i])).x;
+  for (; i < n; ++i) dst[i] = K::scalar(load(src[i]));
 }
 
-// A K/V row (kv_heads x dim, T) into its cache slot: copied, or as e5m2 codes (C = uint8_t).
+// A K/V row (kv_heads x dim, T) into its cache slot: copied, or as one-byte codes (C = f8e5m2_t or
+// f8e4m3_t).
 template <typename T, typename C>
 inline void cache_row(const T* row, C* slot, int64_t n) {
   if constexpr (std::is_same_v<C, T>) {
     std::memcpy(slot, row, n * sizeof(T));
   } else {
-    static_assert(std::is_same_v<C, uint8_t>, "a one-byte cache holds e5m2 codes");
-    e5m2_row(row, slot, n);
+    static_assert(pagoda::f8_kind<C>() != pagoda::kNoF8, "a cache holds the rows' dtype or one-byte codes");
+    f8_row<pagoda::f8_kind<C>()>(row, reinterpret_cast<uint8_t*>(slot), n);
   }
 }
 
 // Whether a cache of this dtype takes rows of T's: the same dtype, or bf16 or float32 rows in a
 // one-byte cache.
 inline bool cache_takes(at::ScalarType cache, at::ScalarType rows) {
-  return cache == rows || (cache == at::kFloat8_e5m2 && (rows == at::kBFloat16 || rows == at::kFloat));
+  return cache == rows || (pagoda::one_byte_dtype(cache) && (rows == at::kBFloat16 || rows == at::kFloat));
+}
+
+// Calls f with null pointers of the row type E (at::kBFloat16 rows: bf16_t) and of the cache's
+// element: E's own, or a one-byte cache's code type.
+template <typename E, typename F>
+void with_cache_element(at::ScalarType cache, F&& f) {
+  if (pagoda::one_byte_dtype(cache))
+    pagoda::with_f8_element(cache, [&](auto* c) { f(static_cast<E*>(nullptr), c); });
+  else
+    f(static_cast<E*>(nullptr), static_cast<E*>(nullptr));
 }
 
 // The fused QKV projection's output -> rotary q (q_out), and for the rows with a cache slot the
@@ -471,7 +510,7 @@ inline bool cache_takes(at::ScalarType cache, at::ScalarType rows) {
 // and reshape_and_cache in one pass (no k temporary, one parallel region instead of three). qkv
 // [T, (H + 2 kvh) D] (row stride free); rows r < Tr = len(slot_mapping) get cached, rows past Tr
 // (GEMM padding) only their q.
-// C: the caches' element, T or uint8_t (e5m2 codes of the rows: rotary(k) through a row buffer).
+// C: the caches' element, T or a one-byte code type (codes of the rows: rotary(k) through a row buffer).
 template <typename T, typename C = T>
 void rotary_qkv_cache_impl(const T* qkv, int64_t qkv_stride, T* q_out, C* key_cache, C* value_cache,
                            const int64_t* slots, int64_t cached_rows, const int64_t* positions, const float* cos_table,
@@ -591,7 +630,7 @@ void rotary_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions, con
   check_rows(qkv, "qkv", rows, (heads + 2 * kv_heads) * dim);
   TORCH_CHECK(qkv.scalar_type() == q_out.scalar_type() && cache_takes(key_cache.scalar_type(), qkv.scalar_type()) &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
-              "qkv, q_out and the caches must share a dtype (or float8_e5m2 caches)");
+              "qkv, q_out and the caches must share a dtype (or one-byte caches: float8_e5m2, float8_e4m3fn)");
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong &&
                   positions.is_contiguous(), "positions must be int64 [", rows, "]");
   TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
@@ -608,38 +647,20 @@ void rotary_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions, con
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t r = 0; r < cached; ++r)
     TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "slot ", slots[r], " outside the cache [0, ", num_slots, ")");
-  switch (qkv.scalar_type()) {
-    case at::kFloat:
-      if (key_cache.scalar_type() == at::kFloat8_e5m2) {
-        rotary_qkv_cache_impl<float, uint8_t>(
-            qkv.data_ptr<float>(), qkv.stride(0), q_out.data_ptr<float>(), static_cast<uint8_t*>(key_cache.data_ptr()),
-            static_cast<uint8_t*>(value_cache.data_ptr()), slots, cached, pos, cos_table.data_ptr<float>(),
-            sin_table.data_ptr<float>(), cos_table.stride(0), rows, heads, kv_heads, dim);
-        break;
-      }
-      rotary_qkv_cache_impl<float>(qkv.data_ptr<float>(), qkv.stride(0), q_out.data_ptr<float>(),
-                                   key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), slots, cached, pos,
-                                   cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), cos_table.stride(0), rows,
-                                   heads, kv_heads, dim);
-      break;
-    case at::kBFloat16:
-      if (key_cache.scalar_type() == at::kFloat8_e5m2) {
-        rotary_qkv_cache_impl<bf16_t, uint8_t>(
-            static_cast<const bf16_t*>(qkv.data_ptr()), qkv.stride(0), static_cast<bf16_t*>(q_out.data_ptr()),
-            static_cast<uint8_t*>(key_cache.data_ptr()), static_cast<uint8_t*>(value_cache.data_ptr()), slots, cached,
-            pos, cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), cos_table.stride(0), rows, heads, kv_heads,
-            dim);
-        break;
-      }
-      rotary_qkv_cache_impl<bf16_t>(static_cast<const bf16_t*>(qkv.data_ptr()), qkv.stride(0),
-                                    static_cast<bf16_t*>(q_out.data_ptr()), static_cast<bf16_t*>(key_cache.data_ptr()),
-                                    static_cast<bf16_t*>(value_cache.data_ptr()), slots, cached, pos,
-                                    cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), cos_table.stride(0), rows,
-                                    heads, kv_heads, dim);
-      break;
-    default:
-      TORCH_CHECK(false, "rotary_qkv_to_cache: unsupported dtype ", qkv.scalar_type());
-  }
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
+              "rotary_qkv_to_cache: unsupported dtype ", qkv.scalar_type());
+  const auto run = [&](auto* e, auto* c) {
+    using E = std::remove_pointer_t<decltype(e)>;
+    using C = std::remove_pointer_t<decltype(c)>;
+    rotary_qkv_cache_impl<E, C>(static_cast<const E*>(qkv.data_ptr()), qkv.stride(0), static_cast<E*>(q_out.data_ptr()),
+                                static_cast<C*>(key_cache.data_ptr()), static_cast<C*>(value_cache.data_ptr()), slots,
+                                cached, pos, cos_table.data_ptr<float>(), sin_table.data_ptr<float>(),
+                                cos_table.stride(0), rows, heads, kv_heads, dim);
+  };
+  if (qkv.scalar_type() == at::kFloat)
+    with_cache_element<float>(key_cache.scalar_type(), run);
+  else
+    with_cache_element<bf16_t>(key_cache.scalar_type(), run);
 }
 
 #if PAGODA_EW_AVX512
@@ -754,7 +775,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                     t->stride(1) == dim, "key / value must be [T, ", kvh, ", ", dim, "] with contiguous heads, got ",
                 t->sizes(), " strides ", t->strides());
     TORCH_CHECK(cache_takes(key_cache.scalar_type(), t->scalar_type()),
-                "key / value must have the caches' dtype (or be bf16 or float32 for float8_e5m2 caches)");
+                "key / value must have the caches' dtype (or be bf16 or float32 for one-byte caches)");
   }
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "caches must share a dtype");
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value must share a dtype");
@@ -763,20 +784,24 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "slot ", slots[r], " outside the cache [0, ", num_slots, ")");
-  if (key_cache.scalar_type() != key.scalar_type()) {  // bf16 or float32 rows, e5m2 codes
-    auto* kc = static_cast<uint8_t*>(key_cache.data_ptr());
-    auto* vc = static_cast<uint8_t*>(value_cache.data_ptr());
-    const auto codes = [&](const auto* k, const auto* v) {
+  if (key_cache.scalar_type() != key.scalar_type()) {  // bf16 or float32 rows, one-byte codes
+    const auto codes = [&](auto* e, auto* c) {
+      using E = std::remove_pointer_t<decltype(e)>;
+      using C = std::remove_pointer_t<decltype(c)>;
+      const auto* k = static_cast<const E*>(key.data_ptr());
+      const auto* v = static_cast<const E*>(value.data_ptr());
+      auto* kc = static_cast<C*>(key_cache.data_ptr());
+      auto* vc = static_cast<C*>(value_cache.data_ptr());
 #pragma omp parallel for schedule(static) num_threads(threads_for(rows * row * 2))
       for (int64_t r = 0; r < rows; ++r) {
-        e5m2_row(k + r * key.stride(0), kc + slots[r] * row, row);
-        e5m2_row(v + r * value.stride(0), vc + slots[r] * row, row);
+        cache_row(k + r * key.stride(0), kc + slots[r] * row, row);
+        cache_row(v + r * value.stride(0), vc + slots[r] * row, row);
       }
     };
     if (key.scalar_type() == at::kFloat)
-      codes(key.data_ptr<float>(), value.data_ptr<float>());
+      with_cache_element<float>(key_cache.scalar_type(), codes);
     else
-      codes(static_cast<const bf16_t*>(key.data_ptr()), static_cast<const bf16_t*>(value.data_ptr()));
+      with_cache_element<bf16_t>(key_cache.scalar_type(), codes);
     return;
   }
   const int64_t bytes = row * static_cast<int64_t>(key.element_size());
@@ -2328,7 +2353,7 @@ void gemm_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, at::Ten
 // The epilogue of gemm_linear_rotary_to_cache for rows r0.. of head block h: each row's 64 outputs
 // (in T, as gemm_linear stores them: to_row) go through rotary to q, or to the key cache, or
 // unrotated to the value cache.
-// C: the caches' element, T or uint8_t (e5m2 codes: rotary(k) through a row buffer, cache_row).
+// C: the caches' element, T or a one-byte code type (rotary(k) through a row buffer, cache_row).
 template <typename T, typename ToRow, typename C = T>
 void rotary_to_cache_rows(int64_t r0, int64_t rows, int64_t h, const float* c, ToRow&& to_row, T* q, C* kc, C* vc,
                           int64_t heads, int64_t kv_heads, const int64_t* slots, int64_t cached, const int64_t* pos,
@@ -2371,8 +2396,7 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
                   value_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes() &&
                   cache_takes(key_cache.scalar_type(), dtype) && value_cache.scalar_type() == key_cache.scalar_type(),
               "caches must be contiguous [num_blocks, block_size, kv_heads, 64] alike, in the model dtype (or "
-              "float8_e5m2)");
-  const bool codes = key_cache.scalar_type() == at::kFloat8_e5m2;
+              "float8_e5m2 / float8_e4m3fn)");
   const int64_t kv_heads = key_cache.size(2);
   TORCH_CHECK(packed.size(0) == heads + 2 * kv_heads, "packed must hold ", heads + 2 * kv_heads, " head blocks");
   TORCH_CHECK(q_out.dim() == 3 && q_out.size(0) == m && q_out.size(2) == dim && q_out.is_contiguous() &&
@@ -2396,15 +2420,14 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
   // Rows in the model dtype E, as gemm_linear stores them (to_row), into an E or a one-byte cache.
   const auto rows_to_cache = [&](auto* q, auto&& to_row) {
     using E = std::remove_pointer_t<decltype(q)>;
-    const auto run = [&](auto* kc, auto* vc) {
+    with_cache_element<E>(key_cache.scalar_type(), [&](E*, auto* elem) {
+      using C = std::remove_pointer_t<decltype(elem)>;
+      auto* kc = static_cast<C*>(key_cache.data_ptr());
+      auto* vc = static_cast<C*>(value_cache.data_ptr());
       run_gemm(x, packed, 1, [&](int64_t r0, int64_t rows, int64_t h, const float* c) {
         rotary_to_cache_rows(r0, rows, h, c, to_row, q, kc, vc, heads, kv_heads, slots, cached, pos, ct, st);
       });
-    };
-    if (codes)
-      run(static_cast<uint8_t*>(key_cache.data_ptr()), static_cast<uint8_t*>(value_cache.data_ptr()));
-    else
-      run(static_cast<E*>(key_cache.data_ptr()), static_cast<E*>(value_cache.data_ptr()));
+    });
   };
   if (dtype == at::kFloat) {
     rows_to_cache(q_out.data_ptr<float>(),

@@ -89,10 +89,19 @@ constexpr float kExp2Poly[8] = {1.5252733804059841e-05f, 1.5403530393381606e-04f
 // Storage tags for the 16-bit types (raw bits).
 using pagoda::bf16_t;
 struct f16_t { uint16_t x; };
-// A one-byte K/V cache element (torch.float8_e5m2: sign, 5 exponent bits, 2 mantissa bits, the top
-// byte of a float16), read by the bf16 decode kernel where it has vdpbf16ps (f8_words), and on AVX2
-// builds widened to float32 exactly through F16C (vload).
-struct f8e5m2_t { uint8_t x; };
+// One-byte K/V cache elements (pagoda_cpu.h), read by the bf16 decode kernel where it has vdpbf16ps
+// (f8_words), and on AVX2 builds widened to float32 exactly through F16C (vload).
+using pagoda::f8e4m3_t;
+using pagoda::f8e5m2_t;
+using pagoda::f8_kind;
+using pagoda::kE4M3;
+using pagoda::kE5M2;
+using pagoda::kNoF8;
+using pagoda::one_byte_dtype;
+using pagoda::with_f8_element;
+// A cache element of kind F8 for queries of T's.
+template <typename T, int F8>
+using CacheElem = std::conditional_t<F8 == kE5M2, f8e5m2_t, std::conditional_t<F8 == kE4M3, f8e4m3_t, T>>;
 
 inline float to_float(float v) { return v; }
 inline float to_float(bf16_t v) { return pagoda::bf16_to_float(v); }
@@ -201,11 +210,24 @@ inline V16 vload(const f8e5m2_t* p) {
   return {_mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b)),
           _mm256_cvtph_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), b))};
 }
-// n codes (a multiple of 16) -> their values as bf16 (exact: every e5m2 value is one), what the
-// decode kernel reads: the prefill kernel's rows of a one-byte cache.
-inline void f8_values_row(const uint8_t* src, bf16_t* dst, int n) {
+// 16 e4m3 codes, exactly: code << 8 shifted right by one (arithmetic) and bit 14 cleared puts the
+// sign, 4 exponent and 3 mantissa bits in a float16's places: the code's value times 2^-8,
+// subnormals included (the NaN code reads as 480). Widened, then times 2^8 (exact).
+inline __attribute__((always_inline)) __m256 e4m3x8_to_ps(__m128i code_hi) {
+  const __m128i h = _mm_and_si128(_mm_srai_epi16(code_hi, 1), _mm_set1_epi16(static_cast<short>(0xBF80)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+inline V16 vload(const f8e4m3_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {e4m3x8_to_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b)),
+          e4m3x8_to_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), b))};
+}
+// n codes (a multiple of 16) -> their values as bf16 (exact: every e5m2 and e4m3 value is one), what
+// the decode kernel reads: the prefill kernel's rows of a one-byte cache.
+template <typename CT>
+inline void f8_values_row(const CT* src, bf16_t* dst, int n) {
   for (int i = 0; i < n; i += 16) {
-    const V16 f = vload(reinterpret_cast<const f8e5m2_t*>(src + i));
+    const V16 f = vload(src + i);
     const __m256i w = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(f.lo), 16),
                                           _mm256_srli_epi32(_mm256_castps_si256(f.hi), 16));
     // packus interleaves the halves' 128-bit lanes: lo 0-3, hi 0-3, lo 4-7, hi 4-7
@@ -213,9 +235,10 @@ inline void f8_values_row(const uint8_t* src, bf16_t* dst, int n) {
   }
 }
 // ... and as float32 (a float32 model's prefill).
-inline void f8_values_row(const uint8_t* src, float* dst, int n) {
+template <typename CT>
+inline void f8_values_row(const CT* src, float* dst, int n) {
   for (int i = 0; i < n; i += 16) {
-    const V16 f = vload(reinterpret_cast<const f8e5m2_t*>(src + i));
+    const V16 f = vload(src + i);
     _mm256_storeu_ps(dst + i, f.lo);
     _mm256_storeu_ps(dst + i + 8, f.hi);
   }
@@ -363,22 +386,37 @@ inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #endif
 
 #if PAGODA_DPBF16
-// e5m2 codes as bf16 words of their values times 2^-112 (kF8Scale), in three integer ops on the
-// codes' float16 bits (code << 8): an arithmetic shift right by 3 moves the sign, 5 exponent bits
-// and 2 mantissa bits to bf16's places, and clearing bits 12-14 (copies of the sign) leaves the
-// exponent field at the code's own, without bf16's larger bias. Subnormal codes land in bf16's
-// subnormal range and read as zero (vdpbf16ps treats subnormal inputs as zero), infinities and NaNs
-// as finite values: the decode kernel on a one-byte cache gives bitwise what it gives on a bf16
-// cache holding the codes' values with subnormals flushed (tests/test_cpu_attention.py), for queries
-// below 2^16 in magnitude. The queries and the probabilities P are scaled by 2^112 to make up for it
-// (f8_scale_query, f8_scale_p): exponent adds, exact, and a product of a scaled pair is the product
-// of the unscaled ones, so the scores and P @ V are the same bits.
-constexpr int kF8ExpShift = 112;  // 127 - 15: bf16's exponent bias less e5m2's
+// e5m2 codes as bf16 words of their values times 2^-112, in three integer ops on the codes' float16
+// bits (code << 8): an arithmetic shift right by 3 moves the sign, 5 exponent bits and 2 mantissa
+// bits to bf16's places, and clearing bits 12-14 (copies of the sign) leaves the exponent field at
+// the code's own, without bf16's larger bias. e4m3 codes the same way, shifted by 4 and bits 11-14
+// cleared: their values times 2^-120. Subnormal codes land in bf16's subnormal range and read as
+// zero (vdpbf16ps treats subnormal inputs as zero), e5m2's infinities and NaNs and e4m3's NaN as
+// finite values: the decode kernel on a one-byte cache gives bitwise what it gives on a bf16 cache
+// holding the codes' values with subnormals flushed (tests/test_cpu_attention.py), for queries
+// below 2^16 in magnitude. To make up for it the queries are scaled by 2^112 (f8_scale_query; an
+// e4m3 cache's scores are then 2^-8 of theirs, which the softmax's scale takes back, run_item) and
+// the probabilities P by 2^112 or 2^120 (f8_scale_p): exponent adds, exact, and a product of a
+// scaled pair is the product of the unscaled ones times a power of two, so the scores and P @ V are
+// the same bits.
+template <int F8>
+constexpr int kF8ExpShift = F8 == kE4M3 ? 120 : 112;  // 127 - 7 or 127 - 15: bf16's exponent bias less the code's
+constexpr int kF8QueryShift = 112;
+template <int F8>
 PAGODA_INLINE __m512i f8_words(__m512i code_hi) {
-  return _mm512_and_si512(_mm512_srai_epi16(code_hi, 3), _mm512_set1_epi16(static_cast<short>(0x8FFF)));
+  static_assert(F8 == kE5M2 || F8 == kE4M3);
+  if constexpr (F8 == kE5M2)
+    return _mm512_and_si512(_mm512_srai_epi16(code_hi, 3), _mm512_set1_epi16(static_cast<short>(0x8FFF)));
+  else
+    return _mm512_and_si512(_mm512_srai_epi16(code_hi, 4), _mm512_set1_epi16(static_cast<short>(0x87FF)));
 }
+template <int F8>
 PAGODA_INLINE __m256i f8_words(__m256i code_hi) {
-  return _mm256_and_si256(_mm256_srai_epi16(code_hi, 3), _mm256_set1_epi16(static_cast<short>(0x8FFF)));
+  static_assert(F8 == kE5M2 || F8 == kE4M3);
+  if constexpr (F8 == kE5M2)
+    return _mm256_and_si256(_mm256_srai_epi16(code_hi, 3), _mm256_set1_epi16(static_cast<short>(0x8FFF)));
+  else
+    return _mm256_and_si256(_mm256_srai_epi16(code_hi, 4), _mm256_set1_epi16(static_cast<short>(0x87FF)));
 }
 // With AVX512-VBMI a byte permute (vpermb, one uop; the other bytes zeroed) puts each code in its
 // word's high byte: the code << 8 that the widening and the shift give without it.
@@ -395,75 +433,85 @@ struct F8Index {
   }
 };
 constexpr F8Index kF8Plain{0}, kF8Lo{1}, kF8Hi{2};
+template <int F8>
 PAGODA_INLINE __m512i f8_permute(const F8Index& idx, __m512i codes) {
-  return f8_words(_mm512_maskz_permutexvar_epi8(kHighBytes, _mm512_load_si512(idx.b), codes));
+  return f8_words<F8>(_mm512_maskz_permutexvar_epi8(kHighBytes, _mm512_load_si512(idx.b), codes));
 }
 #else
 #define PAGODA_F8_VBMI 0
 #endif
 // 32 codes -> 32 words.
+template <int F8>
 PAGODA_INLINE __m512i f8_load32(const uint8_t* p) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 #if PAGODA_F8_VBMI
-  return f8_permute(kF8Plain, _mm512_castsi256_si512(b));
+  return f8_permute<F8>(kF8Plain, _mm512_castsi256_si512(b));
 #else
-  return f8_words(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
+  return f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
 #endif
 }
 // 16 codes at p0 and 16 at p1 -> 16 words each, in the low and the high half.
+template <int F8>
 PAGODA_INLINE __m512i f8_load16x2(const uint8_t* p0, const uint8_t* p1) {
   const __m256i b = _mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
 #if PAGODA_F8_VBMI
-  return f8_permute(kF8Plain, _mm512_castsi256_si512(b));
+  return f8_permute<F8>(kF8Plain, _mm512_castsi256_si512(b));
 #else
-  return f8_words(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
+  return f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
 #endif
 }
 // 32 codes of token a and 32 of token b (pb null: zeros) -> the words unpacklo_epi16 /
 // unpackhi_epi16 of their f8_load32 words give, straight from the codes where vpermb is there.
+template <int F8>
 PAGODA_INLINE void f8_load32_interleaved(const uint8_t* pa, const uint8_t* pb, __m512i& lo, __m512i& hi) {
   const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pa));
   const __m256i b = pb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)) : _mm256_setzero_si256();
 #if PAGODA_F8_VBMI
   const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-  lo = f8_permute(kF8Lo, ab);
-  hi = f8_permute(kF8Hi, ab);
+  lo = f8_permute<F8>(kF8Lo, ab);
+  hi = f8_permute<F8>(kF8Hi, ab);
 #else
-  const __m512i wa = f8_words(_mm512_slli_epi16(_mm512_cvtepu8_epi16(a), 8));
-  const __m512i wb = f8_words(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
+  const __m512i wa = f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(a), 8));
+  const __m512i wb = f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
   lo = _mm512_unpacklo_epi16(wa, wb);
   hi = _mm512_unpackhi_epi16(wa, wb);
 #endif
 }
 // 16 codes -> 16 words.
+template <int F8>
 PAGODA_INLINE __m256i f8_load16(const uint8_t* p) {
-  return f8_words(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8));
+  return f8_words<F8>(
+      _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8));
 }
 // n codes (a multiple of 16) -> the bf16 values they hold, subnormal codes as +0 (what the decode
 // kernel reads; infinities and NaNs as finite values): the prefill kernel's rows of a one-byte cache.
-inline void f8_values_row(const uint8_t* src, bf16_t* dst, int n) {
+template <typename CT>
+inline void f8_values_row(const CT* src, bf16_t* dst, int n) {
+  constexpr int F8 = f8_kind<CT>();
+  const auto* codes = reinterpret_cast<const uint8_t*>(src);
   for (int i = 0; i < n; i += 16) {
-    const __m256i w = f8_load16(src + i);
+    const __m256i w = f8_load16<F8>(codes + i);
     const __mmask16 normal = _mm256_test_epi16_mask(w, _mm256_set1_epi16(0x7F80));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                        _mm256_maskz_add_epi16(normal, w, _mm256_set1_epi16(kF8ExpShift << 7)));
+                        _mm256_maskz_add_epi16(normal, w, _mm256_set1_epi16(kF8ExpShift<F8> << 7)));
   }
 }
-// bf16 words with a nonzero exponent field times 2^112; subnormal words (zero to vdpbf16ps) as they
-// are. P lies in [0, 1], so its exponent field stays below 255.
+// bf16 words with a nonzero exponent field times 2^112 (e5m2) or 2^120 (e4m3); subnormal words
+// (zero to vdpbf16ps) as they are. P lies in [0, 1], so its exponent field stays below 255.
+template <int F8>
 PAGODA_INLINE __m512i f8_scale_p(__m512i w) {
   const __mmask32 normal = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x7F80));
-  return _mm512_mask_add_epi16(w, normal, w, _mm512_set1_epi16(kF8ExpShift << 7));
+  return _mm512_mask_add_epi16(w, normal, w, _mm512_set1_epi16(kF8ExpShift<F8> << 7));
 }
 // A query element times 2^112, with vdpbf16ps's view of it kept: a subnormal one stays zero, and
 // one at or above 2^16 in magnitude (never a real query) saturates at bf16's largest finite value.
 inline bf16_t f8_scale_query(bf16_t q) {
   const uint16_t u = q.x, exp = (u >> 7) & 0xFF, sign = u & 0x8000;
   if (exp == 0) return bf16_t{sign};
-  if (exp + kF8ExpShift >= 255) return bf16_t{static_cast<uint16_t>(sign | 0x7F7F)};
-  return bf16_t{static_cast<uint16_t>(u + (kF8ExpShift << 7))};
+  if (exp + kF8QueryShift >= 255) return bf16_t{static_cast<uint16_t>(sign | 0x7F7F)};
+  return bf16_t{static_cast<uint16_t>(u + (kF8QueryShift << 7))};
 }
 #endif
 
@@ -548,14 +596,15 @@ PAGODA_INLINE float softmax_span(V16* s, int n, float qscale, float& m, V16& lsu
 // queries are held in registers for the whole span (with a runtime kv-head count they were reloaded
 // for every token: a store to tmp may alias them). SmolLM2 shapes, one core, from L2: 1.07x.
 //
-// F8: the K rows are e5m2 codes (f8e5m2_t). vdpbf16ps builds: T is bf16, qraw scaled by 2^112,
-// f8_words; AVX2 builds: T is bf16 or float32, the codes widened to their values, against qf.
-template <typename T, int NH, int DT, int NKV, bool F8 = false>
+// F8: the K rows are one-byte codes (kE5M2: f8e5m2_t, kE4M3: f8e4m3_t). vdpbf16ps builds: T is
+// bf16, qraw scaled by 2^112, f8_words; AVX2 builds: T is bf16 or float32, the codes widened to
+// their values, against qf.
+template <typename T, int NH, int DT, int NKV, int F8 = kNoF8>
 PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw, V16* tmp) {
   const int D = DT ? DT : A.D;
   const int n = A.n, nkv = A.nkv, g = A.g;
 #if PAGODA_DPBF16
-  using CE = std::conditional_t<F8, uint8_t, bf16_t>;  // a cache element as the bf16 paths read it
+  using CE = std::conditional_t<F8 != kNoF8, uint8_t, bf16_t>;  // a cache element as the bf16 paths read it
   [[maybe_unused]] const CE* const* krc = reinterpret_cast<const CE* const*>(A.krow);
   [[maybe_unused]] const CE* const* kpc = reinterpret_cast<const CE* const*>(A.kpf);
   if constexpr (std::is_same_v<T, bf16_t> && NKV > 0) {
@@ -590,8 +639,8 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
         for (int j = 0; j < NH; ++j) part[j] = _mm512_setzero_ps();
         for (int c = 0; c < NQ; ++c) {
           __m512bh kv;
-          if constexpr (F8)
-            kv = (__m512bh)f8_load16x2(kp0 + c * 16, kp1 + c * 16);
+          if constexpr (F8 != kNoF8)
+            kv = (__m512bh)f8_load16x2<F8>(kp0 + c * 16, kp1 + c * 16);
           else
             kv = (__m512bh)_mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp0 + c * 16))),
@@ -618,8 +667,8 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
         for (int j = 0; j < NH; ++j) part[j] = _mm512_setzero_ps();
         for (int c = 0; c < nc; ++c) {
           __m512bh kv;
-          if constexpr (F8)
-            kv = (__m512bh)f8_load32(kp + c * 32);
+          if constexpr (F8 != kNoF8)
+            kv = (__m512bh)f8_load32<F8>(kp + c * 32);
           else
             kv = (__m512bh)_mm512_loadu_si512(kp + c * 32);
           for (int j = 0; j < NH; ++j)
@@ -627,8 +676,8 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
         }
         if (D % 32) {  // D % 32 == 16: one half-width chunk
           __m512bh kv;
-          if constexpr (F8)
-            kv = (__m512bh)_mm512_zextsi256_si512(f8_load16(kp + nc * 32));
+          if constexpr (F8 != kNoF8)
+            kv = (__m512bh)_mm512_zextsi256_si512(f8_load16<F8>(kp + nc * 32));
           else
             kv = (__m512bh)_mm512_maskz_loadu_epi16(0xFFFFu, kp + nc * 32);
           for (int j = 0; j < NH; ++j)
@@ -644,8 +693,8 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
   } else  // (the float path below never sees bf16 here, so never codes either)
 #endif
   {
-    // The cache element: T's, or an e5m2 code (AVX2 builds: vload widens it exactly).
-    using KC = std::conditional_t<F8, f8e5m2_t, T>;
+    // The cache element: T's, or a one-byte code (AVX2 builds: vload widens it exactly).
+    using KC = CacheElem<T, F8>;
     const KC* const* krow = reinterpret_cast<const KC* const*>(A.krow);
     const KC* const* kpf = reinterpret_cast<const KC* const*>(A.kpf);
     for (int t = 0; t < n; ++t) {
@@ -673,11 +722,11 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
 // Decode: one span of up to kSpan tokens for the item (see SpanArgs). Scores kept in the log2
 // domain (qscale = scale * log2(e)); acc: unnormalized output accumulators, m: running max, lsum:
 // 16-lane partial running sums. DT: head_dim known at compile time (0: use A.D). F8: the caches hold
-// e5m2 codes, read as their exact values (AVX2 builds; vdpbf16ps builds use attend_span_bf16).
+// one-byte codes, read as their exact values (AVX2 builds; vdpbf16ps builds use attend_span_bf16).
 // ------------------------------------------------------------------------------------------
-template <typename T, int NH, int DT, bool F8 = false>
+template <typename T, int NH, int DT, int F8 = kNoF8>
 void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, float* m, V16* lsum, V16* tmp) {
-  using VC = std::conditional_t<F8, f8e5m2_t, T>;
+  using VC = CacheElem<T, F8>;
   const int D = DT ? DT : A.D;
   const int nc = D / kTile;
   const int n = A.n, g = A.g;
@@ -742,12 +791,13 @@ void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, 
 // half holds d = 8 (i / 4) + i % 4, of the high half d = 8 (i / 4) + 4 + i % 4 (acc_perm_index); a
 // trailing 16-wide chunk (D % 32 == 16) stays in natural order.
 //
-// F8: the cache holds e5m2 codes, read as bf16 words of their values times 2^-112 (f8_words), with
-// qraw scaled by 2^112 (run_item) and P scaled here: the same bits as a bf16 cache of their values.
-template <int NH, int DT, int NKV, bool F8 = false>
+// F8: the cache holds one-byte codes, read as bf16 words of their values times 2^-112 or 2^-120
+// (f8_words), with qraw scaled by 2^112 (run_item) and P scaled here: the same bits as a bf16 cache
+// of their values.
+template <int NH, int DT, int NKV, int F8 = kNoF8>
 void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, float* acc, float* m, V16* lsum,
                       V16* tmp) {
-  using CE = std::conditional_t<F8, uint8_t, bf16_t>;
+  using CE = std::conditional_t<F8 != kNoF8, uint8_t, bf16_t>;
   const int D = DT ? DT : A.D;
   const int nc = D / 32;
   const bool tail = (D % 32) != 0;
@@ -773,7 +823,10 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
       V16 e[2];
       alpha[j] = softmax_span(s, n, A.qscale, m[kh * g + j], lsum[kh * g + j], e);
       const __m512i pw = (__m512i)_mm512_cvtne2ps_pbh(e[1].v, e[0].v);
-      _mm512_store_si512(p16[j], F8 ? f8_scale_p(pw) : pw);
+      if constexpr (F8 != kNoF8)
+        _mm512_store_si512(p16[j], f8_scale_p<F8>(pw));
+      else
+        _mm512_store_si512(p16[j], pw);
     }
     float* acch = acc + static_cast<size_t>(kh) * g * D;
     const int64_t vo = kh * A.vs2;
@@ -802,9 +855,9 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
           pw[j] = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(p16[j])[tp]);
         for (int w = 0; w < CW; ++w) {
           __m512bh vlo, vhi;
-          if constexpr (F8) {
+          if constexpr (F8 != kNoF8) {
             __m512i lo8, hi8;
-            f8_load32_interleaved(vrow[2 * tp] + vo + (c0 + w) * 32,
+            f8_load32_interleaved<F8>(vrow[2 * tp] + vo + (c0 + w) * 32,
                                   LAST ? nullptr : vrow[2 * tp + 1] + vo + (c0 + w) * 32, lo8, hi8);
             vlo = (__m512bh)lo8;
             vhi = (__m512bh)hi8;
@@ -836,7 +889,7 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
       for (int j = 0; j < NH; ++j)
         a16[j] = _mm512_mul_ps(_mm512_loadu_ps(acch + j * D + nc * 32), _mm512_set1_ps(alpha[j]));
       const auto load16 = [](const CE* p) __attribute__((always_inline)) {
-        if constexpr (F8) return f8_load16(p);
+        if constexpr (F8 != kNoF8) return f8_load16<F8>(p);
         else return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       };
       for (int tp = 0; tp < npairs; ++tp) {
@@ -865,8 +918,9 @@ inline int acc_perm_index(int d, int D, bool permuted) {
 template <typename T>
 using SpanFn = void (*)(const SpanArgs&, const float*, const T*, float*, float*, V16*, V16*);
 
-// F8: for a one-byte cache (f8e5m2_t; bf16 queries with vdpbf16ps, bf16 or float32 on AVX2 builds).
-template <typename T, int DT, bool F8 = false>
+// F8: for a one-byte cache (kE5M2 or kE4M3; bf16 queries with vdpbf16ps, bf16 or float32 on AVX2
+// builds).
+template <typename T, int DT, int F8 = kNoF8>
 SpanFn<T> span_fn_d(int nh) {
 #if PAGODA_DPBF16
   if constexpr (std::is_same_v<T, bf16_t>) {
@@ -899,7 +953,7 @@ SpanFn<T> span_fn_d(int nh) {
 // The span function for nh heads over nkv kv heads a call; head_dim 64 and 128 get compile-time
 // specialisations, and bf16 with head_dim 64 one with the queries in registers for a full group
 // (nkv = kMaxGroupHeads / nh).
-template <typename T, bool F8 = false>
+template <typename T, int F8 = kNoF8>
 SpanFn<T> span_fn(int nh, int D, int nkv) {
 #if PAGODA_DPBF16
   if constexpr (std::is_same_v<T, bf16_t>) {
@@ -1022,13 +1076,13 @@ inline const int32_t* item_block_table(const Params& P, int b, int nr) {
 // were requested that way by the item before. Returns whether the next item's first `ahead` tokens
 // were all requested.
 //
-// C: the cache element, T's own or f8e5m2_t (vdpbf16ps builds: each row's bf16 queries are copied,
-// scaled by 2^112, into its S[r].qf storage, see f8_words; AVX2 builds read the codes' values
+// C: the cache element, T's own, f8e5m2_t or f8e4m3_t (vdpbf16ps builds: each row's bf16 queries are
+// copied, scaled by 2^112, into its S[r].qf storage, see f8_words; AVX2 builds read the codes' values
 // against the float queries as for any cache).
 template <typename T, typename C = T>
 bool run_item(const Params& P, const T* q, const C* kc, const C* vc, int b, int nr, int kh0, int kh1, int t0,
               int t1, Scratch* S, const Item* next = nullptr, bool started = false) {
-  constexpr bool F8 = std::is_same_v<C, f8e5m2_t>;
+  constexpr int F8 = f8_kind<C>();
   const int D = P.D, g = P.g;
   const int nheads = (kh1 - kh0) * g;
   const T* qrows[kMaxGroupRows];
@@ -1036,7 +1090,7 @@ bool run_item(const Params& P, const T* q, const C* kc, const C* vc, int b, int 
     const T* qb = q + (static_cast<int64_t>(b + r) * P.H + static_cast<int64_t>(kh0) * g) * D;
     qrows[r] = qb;  // queries in the storage type (for the bf16 dot-product path)
 #if PAGODA_DPBF16
-    if constexpr (F8) {
+    if constexpr (F8 != kNoF8) {
       static_assert(std::is_same_v<T, bf16_t> && acc_permuted<T>(), "a one-byte cache is read with bf16 queries");
       bf16_t* qs = reinterpret_cast<bf16_t*>(S[r].qf.data());  // H * D floats: room for H * D bf16
       for (int i = 0; i < nheads * D; ++i) qs[i] = f8_scale_query(qb[i]);
@@ -1110,6 +1164,10 @@ bool run_item(const Params& P, const T* q, const C* kc, const C* vc, int b, int 
   A.nkv = nkv;
   A.g = g;
   A.qscale = P.qscale;
+#if PAGODA_DPBF16
+  // e4m3 words hold 2^-120 of their values against queries scaled by 2^112: scores at 2^-8 of theirs.
+  if constexpr (F8 == kE4M3) A.qscale = P.qscale * 256.f;
+#endif
   for (int ts = t0; ts < t1; ts += span) {
     const int n = std::min(span, t1 - ts);
     rows.fill(krow, vrow, n);
@@ -1336,9 +1394,9 @@ void decode_impl(const Params& P, const T* q, const C* kc, const C* vc, T* out, 
 
 // What both entry points require of the caches and of the step's tables (q [., H, D] is checked by
 // each for its own layout); the block ids themselves are checked by check_block_ids.
-// Whether this build's decode and prefill kernels read a one-byte (float8_e5m2) cache with queries of
-// this dtype: bf16 with vdpbf16ps (subnormal codes read as zero), or bf16 and float32 on AVX2 builds,
-// in float32 (every code exactly).
+// Whether this build's decode and prefill kernels read a one-byte (float8_e5m2 or float8_e4m3fn)
+// cache with queries of this dtype: bf16 with vdpbf16ps (subnormal codes read as zero), or bf16 and
+// float32 on AVX2 builds, in float32 (every code exactly).
 bool decode_supports_f8(at::ScalarType q) {
   return (q == at::kBFloat16 && PAGODA_DPBF16) || ((q == at::kBFloat16 || q == at::kFloat) && PAGODA_AVX2);
 }
@@ -1355,15 +1413,16 @@ void check_paged_inputs(const char* name, const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "key_cache / value_cache must be [num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), name, ": key_cache and value_cache must share a dtype");
-  if (one_byte_cache && key_cache.scalar_type() == at::kFloat8_e5m2) {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, name,
-                ": a float8_e5m2 cache takes bfloat16 or float32 q, got ", q.scalar_type());
-    TORCH_CHECK(decode_supports_f8(q.scalar_type()), name, ": a float8_e5m2 cache with ", q.scalar_type(),
+  if (one_byte_cache && one_byte_dtype(key_cache.scalar_type())) {
+    const char* cache = key_cache.scalar_type() == at::kFloat8_e5m2 ? "float8_e5m2" : "float8_e4m3fn";
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, name, ": a ", cache,
+                " cache takes bfloat16 or float32 q, got ", q.scalar_type());
+    TORCH_CHECK(decode_supports_f8(q.scalar_type()), name, ": a ", cache, " cache with ", q.scalar_type(),
                 " q needs a CPU with AVX512-BF16 (bfloat16 q) or a build for AVX2");
   } else {
     TORCH_CHECK(key_cache.scalar_type() == q.scalar_type(), name, ": q and the caches must have the same dtype",
-                one_byte_cache ? " (or float8_e5m2 caches)" : "", ", got ", q.scalar_type(), " and ",
-                key_cache.scalar_type());
+                one_byte_cache ? " (or float8_e5m2 / float8_e4m3fn caches)" : "", ", got ", q.scalar_type(),
+                " and ", key_cache.scalar_type());
   }
   TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "cache head_dim must be contiguous");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
@@ -1428,18 +1487,21 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
   P.qscale = static_cast<float>(scale) * kLog2e;
 
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
-  if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // q's dtype is one decode_supports_f8 takes (check_paged_inputs)
+  if (one_byte_dtype(key_cache.scalar_type())) {  // q's dtype is one decode_supports_f8 takes (check_paged_inputs)
 #if PAGODA_DPBF16 || PAGODA_AVX2
-    const auto* kc = static_cast<const f8e5m2_t*>(key_cache.data_ptr());
-    const auto* vc = static_cast<const f8e5m2_t*>(value_cache.data_ptr());
+    with_f8_element(key_cache.scalar_type(), [&](auto* elem) {
+      using C = std::remove_const_t<std::remove_pointer_t<decltype(elem)>>;
+      const auto* kc = static_cast<const C*>(key_cache.data_ptr());
+      const auto* vc = static_cast<const C*>(value_cache.data_ptr());
 #if PAGODA_AVX2
-    if (q.scalar_type() == at::kFloat) {
-      decode_impl<float, f8e5m2_t>(P, q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), nthreads);
-      return;
-    }
+      if (q.scalar_type() == at::kFloat) {
+        decode_impl<float, C>(P, q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), nthreads);
+        return;
+      }
 #endif
-    decode_impl<bf16_t, f8e5m2_t>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
-                                  static_cast<bf16_t*>(out.data_ptr()), nthreads);
+      decode_impl<bf16_t, C>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
+                             static_cast<bf16_t*>(out.data_ptr()), nthreads);
+    });
 #endif
     return;
   }
@@ -2068,8 +2130,9 @@ PAGODA_INLINE void copy_q_row(const T* src, QT* dst, int D) {
   }
 }
 
-// C: the caches' element, T's or f8e5m2_t (each key tile's rows of codes become values of T, bf16 or
-// float32 on AVX2, in a staging buffer first, f8_values_row, and the tile is packed from there).
+// C: the caches' element, T's, f8e5m2_t or f8e4m3_t (each key tile's rows of codes become values of
+// T, bf16 or float32 on AVX2, in a staging buffer first, f8_values_row, and the tile is packed from
+// there).
 template <typename T, typename C = T>
 void prefill_item(const PrefillParams& P, const T* q, const C* kc, const C* vc, T* out, const PrefillItem& it,
                   PrefillScratch& S, bool amx) {
@@ -2111,7 +2174,7 @@ void prefill_item(const PrefillParams& P, const T* q, const C* kc, const C* vc, 
       pack_kv<T>(P, rows_a[cur], rows_b[cur], nk, S);
     } else {
 #if PAGODA_DPBF16 || PAGODA_AVX2
-      static_assert(std::is_same_v<C, f8e5m2_t> && (std::is_same_v<T, bf16_t> || PAGODA_AVX2),
+      static_assert(f8_kind<C>() != kNoF8 && (std::is_same_v<T, bf16_t> || PAGODA_AVX2),
                     "a one-byte cache takes bf16 q, or float32 on AVX2");
       thread_local std::vector<T> stage;
       stage.resize(static_cast<size_t>(2 * kKeyTile) * D);
@@ -2120,8 +2183,8 @@ void prefill_item(const PrefillParams& P, const T* q, const C* kc, const C* vc, 
       for (int j = 0; j < nk; ++j) {
         T* k = stage.data() + static_cast<size_t>(j) * D;
         T* v = k + static_cast<size_t>(kKeyTile) * D;
-        f8_values_row(reinterpret_cast<const uint8_t*>(rows_a[cur][j]), k, D);  // as decode reads them
-        f8_values_row(reinterpret_cast<const uint8_t*>(rows_b[cur][j]), v, D);
+        f8_values_row(rows_a[cur][j], k, D);  // as decode reads them
+        f8_values_row(rows_b[cur][j], v, D);
         ka[j] = k;
         va[j] = v;
       }
@@ -2267,19 +2330,22 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
   P.block_tables = btp;
   P.qscale = static_cast<float>(scale) * kLog2e;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
-  if (key_cache.scalar_type() == at::kFloat8_e5m2) {  // q's dtype is one decode_supports_f8 takes (check_paged_inputs)
+  if (one_byte_dtype(key_cache.scalar_type())) {  // q's dtype is one decode_supports_f8 takes (check_paged_inputs)
 #if PAGODA_DPBF16 || PAGODA_AVX2
-    const auto* kc = static_cast<const f8e5m2_t*>(key_cache.data_ptr());
-    const auto* vc = static_cast<const f8e5m2_t*>(value_cache.data_ptr());
+    with_f8_element(key_cache.scalar_type(), [&](auto* elem) {
+      using C = std::remove_const_t<std::remove_pointer_t<decltype(elem)>>;
+      const auto* kc = static_cast<const C*>(key_cache.data_ptr());
+      const auto* vc = static_cast<const C*>(value_cache.data_ptr());
 #if PAGODA_AVX2
-    if (q.scalar_type() == at::kFloat) {
-      prefill_impl<float, f8e5m2_t>(P, q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), qs, sl,
-                                    static_cast<int>(B), nthreads);
-      return;
-    }
+      if (q.scalar_type() == at::kFloat) {
+        prefill_impl<float, C>(P, q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), qs, sl, static_cast<int>(B),
+                               nthreads);
+        return;
+      }
 #endif
-    prefill_impl<bf16_t, f8e5m2_t>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
-                                   static_cast<bf16_t*>(out.data_ptr()), qs, sl, static_cast<int>(B), nthreads);
+      prefill_impl<bf16_t, C>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
+                              static_cast<bf16_t*>(out.data_ptr()), qs, sl, static_cast<int>(B), nthreads);
+    });
 #endif
   } else if (q.scalar_type() == at::kFloat) {
     prefill_impl<float>(P, q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),

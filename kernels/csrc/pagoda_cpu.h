@@ -9,11 +9,37 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace pagoda {
 
 // A bf16 element (its raw bits), as the kernels read and write torch's at::BFloat16 storage.
 struct bf16_t { uint16_t x; };
+
+// One-byte K/V cache elements (raw codes). torch.float8_e5m2: sign, 5 exponent bits, 2 mantissa bits
+// (the top byte of a float16); torch.float8_e4m3fn: sign, 4 exponent bits, 3 mantissa bits, no
+// infinities (vLLM's "fp8": finer steps, values up to 448). The cache writers store codes of the
+// rows (cpu_ops.cpp, f8_row); the attention kernels read them (paged_attention_cpu.cpp).
+struct f8e5m2_t { uint8_t x; };
+struct f8e4m3_t { uint8_t x; };
+// Which codes a cache element holds, if any (the kernels' F8 template parameter).
+constexpr int kNoF8 = 0, kE5M2 = 1, kE4M3 = 2;
+template <typename C>
+constexpr int f8_kind() {
+  return std::is_same_v<C, f8e5m2_t> ? kE5M2 : std::is_same_v<C, f8e4m3_t> ? kE4M3 : kNoF8;
+}
+
+// The one-byte caches' dtypes.
+inline bool one_byte_dtype(at::ScalarType t) { return t == at::kFloat8_e5m2 || t == at::kFloat8_e4m3fn; }
+
+// Calls f with a null pointer to a one-byte cache's element type (f8e5m2_t or f8e4m3_t).
+template <typename F>
+void with_f8_element(at::ScalarType cache, F&& f) {
+  if (cache == at::kFloat8_e5m2)
+    f(static_cast<f8e5m2_t*>(nullptr));
+  else
+    f(static_cast<f8e4m3_t*>(nullptr));
+}
 
 inline float bf16_to_float(bf16_t v) {
   const uint32_t u = static_cast<uint32_t>(v.x) << 16;
