@@ -373,9 +373,9 @@ def main() -> int:
     ap.add_argument("--prompt-logprobs", type=int, default=None,
                     help="Pagoda and vLLM alike: every request asks for its prompt tokens' logprobs and this many "
                          "top ones")
-    ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e5m2"],
+    ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                     help="Pagoda's and vLLM's kv_cache_dtype (default: each engine's own, the model dtype); "
-                         "fp8_e5m2: one byte a K/V value, rows not judged against the targets")
+                         "fp8 (e4m3) or fp8_e5m2: one byte a K/V value, rows not judged against the targets")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--repeat", type=int, default=1, help="run the engine list this many times, round-robin")
     args = ap.parse_args()

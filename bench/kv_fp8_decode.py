@@ -1,17 +1,19 @@
-"""The CPU decode kernel on a one-byte K/V cache (float8_e5m2, vLLM's ``kv_cache_dtype="fp8_e5m2"``)
-against a bf16 cache of the same values, calls alternating in one process.
+"""The CPU decode kernel on one-byte K/V caches (float8_e5m2 and float8_e4m3fn, vLLM's
+``kv_cache_dtype="fp8_e5m2"`` and ``"fp8"``) against a bf16 cache of the same values, calls
+alternating in one process.
 
-    python bench/kv_fp8_decode.py [--reps 20] [--threads N] [--stat median|min] [--baseline OLD.cpp]
+    python bench/kv_fp8_decode.py [--reps 20] [--threads N] [--stat median|min] [--dtype float32] [--baseline OLD.cpp]
 
 Each case of bench/kernel_bench.py's CASES (SmolLM2 and Llama-8B shapes, every sequence at the
-given context, scattered blocks) runs ``paged_decode_attention`` with bf16 queries on bf16 caches
-and on their e5m2 codes, cycling through enough layers' caches (``--cache-mb`` of bf16, half that
-of codes) that every call reads from DRAM, the two calls in turn each repetition. Prints each one's
-milliseconds and the rate of the bytes it reads (2 bytes a value, or 1), and bf16 / fp8. Both give
-the same bits where the codes' values are what the bf16 cache holds (tests/test_cpu_attention.py);
+given context, scattered blocks) runs ``paged_decode_attention`` with bf16 queries (``--dtype
+float32``: float32, AVX2 builds) on caches of that dtype and on their e5m2 and e4m3 codes, cycling
+through enough layers' caches (``--cache-mb`` of bf16, half that of codes) that every call reads
+from DRAM, the three calls in turn each repetition. Prints each one's milliseconds and the rate of
+the bytes it reads (2 or 4 bytes a value, or 1), and the model dtype's time over each format's. They
+give the same bits where the codes' values are what the bf16 cache holds (tests/test_cpu_attention.py);
 here the bf16 cache holds random values, which the codes round. ``--baseline OLD.cpp`` (another
 revision's kernels/csrc/paged_attention_cpu.cpp, built as its own extension) also runs its decode
-kernel on the codes in the same turns: before / after on the one-byte cache in one process.
+kernel on the e5m2 codes in the same turns: before / after on the one-byte cache in one process.
 """
 from __future__ import annotations
 
@@ -34,43 +36,55 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (default: torch's)")
     ap.add_argument("--stat", default="median", choices=["median", "min"])
     ap.add_argument("--cache-mb", type=int, default=512, help="bf16 K/V cycled through per case")
-    ap.add_argument("--baseline", metavar="OLD.cpp", help="another paged_attention_cpu.cpp to time on the codes")
+    ap.add_argument("--baseline", metavar="OLD.cpp", help="another paged_attention_cpu.cpp to time on the e5m2 codes")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the queries' and model's")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     from pagoda_kernels.cpu_attention import decode_supports_f8, paged_decode_attention
 
-    if not decode_supports_f8():
-        print("this build's decode kernel has no one-byte cache (it needs AVX512-BF16 or AVX2)")
+    if not decode_supports_f8(dtype):
+        print(f"this build's decode kernel has no one-byte cache with {args.dtype} queries (bf16: AVX512-BF16 or "
+              f"AVX2; float32: AVX2 builds)")
         return 1
     kernel_bench.MIN_CACHE_BYTES = args.cache_mb << 20
     baseline = kernel_bench.load_cpu_baseline(args.baseline) if args.baseline else None
-    print(f"paged decode, bf16 queries, block size {kernel_bench.BLOCK_SIZE}, {torch.get_num_threads()} threads, "
+    name = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
+    print(f"paged decode, {name} queries, block size {kernel_bench.BLOCK_SIZE}, {torch.get_num_threads()} threads, "
           f"{args.stat} of {args.reps}")
-    header = (f"{'model':8} {'H/KV/D':>10} {'batch':>5} {'ctx':>5} | {'bf16 ms':>8} {'GB/s':>6} | "
-              f"{'fp8 ms':>8} {'GB/s':>6} | {'bf16 / fp8':>10}" + (" | before fp8 ms | before / fp8" if baseline else ""))
+    header = (f"{'model':8} {'H/KV/D':>10} {'batch':>5} {'ctx':>5} | {name + ' ms':>8} {'GB/s':>6} | "
+              f"{'e5m2 ms':>8} {'GB/s':>6} | {'e4m3 ms':>8} {'GB/s':>6} | {name + ' / e5m2':>11} {name + ' / e4m3':>11}"
+              + (" | before e5m2 ms | before / e5m2" if baseline else ""))
     print(header)
     print("-" * len(header))
     for label, h, kvh, d, batch, ctx in kernel_bench.CASES:
-        q, caches, meta, nbytes = kernel_bench.make_case(h, kvh, d, batch, ctx, torch.bfloat16)
-        codes = {id(k): (k.to(torch.float8_e5m2), v.to(torch.float8_e5m2)) for k, v in caches}
+        q, caches, meta, nbytes = kernel_bench.make_case(h, kvh, d, batch, ctx, dtype)
+        codes = {f8: {id(k): (k.to(f8), v.to(f8)) for k, v in caches}
+                 for f8 in (torch.float8_e5m2, torch.float8_e4m3fn)}
         bt, sl, scale = meta.decode_block_tables, meta.decode_seq_lens, 1 / math.sqrt(d)
         out = torch.empty_like(q)
 
-        def bf16(k, v):
+        def model(k, v):
             paged_decode_attention(q, k, v, bt, sl, scale, out=out)
 
-        def fp8(k, v):
-            paged_decode_attention(q, *codes[id(k)], bt, sl, scale, out=out)
+        def e5m2(k, v):
+            paged_decode_attention(q, *codes[torch.float8_e5m2][id(k)], bt, sl, scale, out=out)
+
+        def e4m3(k, v):
+            paged_decode_attention(q, *codes[torch.float8_e4m3fn][id(k)], bt, sl, scale, out=out)
 
         def before(k, v):
-            baseline.paged_decode_attention(q, *codes[id(k)], bt, sl, scale, out, torch.get_num_threads())
+            baseline.paged_decode_attention(q, *codes[torch.float8_e5m2][id(k)], bt, sl, scale, out,
+                                            torch.get_num_threads())
 
-        fns = [bf16, fp8] + ([before] if baseline else [])
-        t16, t8, *t_old = kernel_bench.time_interleaved(fns, caches, args.reps, args.stat)
-        old = f" | {t_old[0] * 1e3:13.2f} | {t_old[0] / t8:11.3f}x" if baseline else ""
+        fns = [model, e5m2, e4m3] + ([before] if baseline else [])
+        t16, t5, t4, *t_old = kernel_bench.time_interleaved(fns, caches, args.reps, args.stat)
+        code_bytes = nbytes / dtype.itemsize
+        old = f" | {t_old[0] * 1e3:14.2f} | {t_old[0] / t5:12.3f}x" if baseline else ""
         print(f"{label:8} {f'{h}/{kvh}/{d}':>10} {batch:5d} {ctx:5d} | {t16 * 1e3:8.2f} {nbytes / t16 / 1e9:6.1f} | "
-              f"{t8 * 1e3:8.2f} {nbytes / 2 / t8 / 1e9:6.1f} | {t16 / t8:9.2f}x{old}", flush=True)
+              f"{t5 * 1e3:8.2f} {code_bytes / t5 / 1e9:6.1f} | {t4 * 1e3:8.2f} {code_bytes / t4 / 1e9:6.1f} | "
+              f"{t16 / t5:10.2f}x {t16 / t4:10.2f}x{old}", flush=True)
         del caches, codes
     return 0
 
