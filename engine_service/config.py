@@ -73,9 +73,9 @@ class EngineConfig:
     # codes' values gives) and drifts: bench/kv_fp8_agreement.py, bench/RESULTS.md; a request preempted
     # and recomputed (preemption_mode "recompute") may continue differently, where a recomputed
     # K/V value rounds to another code ("swap" keeps the codes). A bfloat16 model on a CPU with
-    # AVX512-BF16 (bf16 dot products, subnormal codes read as zero), or a bfloat16 or float32 model
-    # on a CPU with AVX2 and no AVX-512 (the codes widened exactly to float32): where Pagoda's C++
-    # kernels read it.
+    # AVX512-BF16 (bf16 dot products, subnormal codes read as zero) or with AVX2 and no AVX-512, a
+    # float32 model on a CPU with AVX-512 or AVX2 (the codes widened exactly to float32): where
+    # Pagoda's C++ kernels read it.
     kv_cache_dtype: str = "auto"
     # CPU with AVX512-BF16 or AMX-BF16, bf16 model: the decoder layers' GEMMs on Pagoda's own
     # kernels (kernels/csrc/cpu_ops.cpp: AMX tiles through torch's brgemm micro-kernel, else

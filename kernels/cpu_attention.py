@@ -166,7 +166,7 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     the current token (whose K/V is already in the cache). H must be a multiple of kv_heads; D a
     multiple of 16; float32, bfloat16 or float16, or float8_e5m2 / float8_e4m3fn caches (one byte a
     value) with bfloat16 or float32 q where ``decode_supports_f8(q.dtype)``; subnormal values read as zero where
-    ``decode_f8_flushes_subnormals``, else every code as its value). Returns [B, H, D] in q's dtype
+    ``decode_f8_flushes_subnormals(q.dtype)``, else every code as its value). Returns [B, H, D] in q's dtype
     (``out`` if given). Accumulation is in float32. A sequence of length 0 gets zeros.
     """
     op = _op if _op is not None else load_extension()
@@ -179,17 +179,19 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
 
 def decode_supports_f8(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether this host's build of the decode and prefill kernels reads one-byte caches
-    (float8_e5m2, float8_e4m3fn) with queries of ``dtype``: bf16 on a CPU with AVX512-BF16; bf16 and float32 in a build for AVX2 +
-    FMA + F16C, which widens the codes to float32."""
+    (float8_e5m2, float8_e4m3fn) with queries of ``dtype``: bf16 on a CPU with AVX512-BF16 or in a
+    build for AVX2 + FMA + F16C; float32 in builds for AVX-512 and AVX2, which widen the codes to
+    float32."""
     load_extension()
     return bool(torch.ops.pagoda_cpu.decode_supports_f8(dtype))
 
 
-def decode_f8_flushes_subnormals() -> bool:
-    """Whether this build reads subnormal one-byte codes as zero (the AVX512-BF16 kernels, whose
-    dot products treat subnormal inputs so) rather than as their values (AVX2 builds)."""
+def decode_f8_flushes_subnormals(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this build reads subnormal one-byte codes as zero with queries of ``dtype`` (bf16 on
+    the AVX512-BF16 kernels, whose dot products treat subnormal inputs so) rather than as their
+    values (float32 queries, and every AVX2 build)."""
     load_extension()
-    return bool(torch.ops.pagoda_cpu.decode_f8_flushes_subnormals())
+    return bool(torch.ops.pagoda_cpu.decode_f8_flushes_subnormals(dtype))
 
 
 def prefill_supported(dtype: torch.dtype) -> bool:

@@ -248,7 +248,7 @@ def f8_values(cache: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch
     where the build's bf16 dot products flush them, else as they are (infinities and NaNs stay, so a
     read of a poisoned slot still shows)."""
     values = cache.to(dtype)
-    if not decode_f8_flushes_subnormals():
+    if not decode_f8_flushes_subnormals(dtype):
         return values
     exponent = 0x7C if cache.dtype == torch.float8_e5m2 else 0x78
     return values.masked_fill((cache.view(torch.uint8) & exponent) == 0, 0.0)

@@ -864,7 +864,7 @@ def test_one_byte_kv_cache_for_a_float32_model(bundled_dir, prompts, kv_cache_dt
     """A float32 model's one-byte cache: four times the blocks of its float32 budget; after a
     prefill its layer-0 K/V are bitwise torch's conversion of a float32 engine's; a request's greedy
     tokens are the same alone as in a batch with chunked prefill beside decodes. Where the build
-    cannot read such a cache with float32 queries (AVX2 builds can) the engine refuses it."""
+    cannot read such a cache with float32 queries (AVX-512 and AVX2 builds can) the engine refuses it."""
     from pagoda_kernels.cpu_attention import decode_supports_f8
 
     opts = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024, enable_prefix_caching=False,

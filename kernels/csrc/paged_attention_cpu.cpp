@@ -129,6 +129,22 @@ inline V16 vload(const bf16_t* p) {
 inline V16 vload(const f16_t* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
+// 16 one-byte codes, exactly, as float16 words widened (the float32 path: float32 queries): an e5m2
+// code << 8 is the float16 of its value; an e4m3 code << 8, shifted right by one (arithmetic) with
+// bit 14 cleared, is the float16 of its value times 2^-8, taken back by a multiply (exact).
+inline __m256i codes_hi16(const void* p) {
+  return _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(static_cast<const __m128i*>(p))), 8);
+}
+inline V16 vload(const f8e5m2_t* p) { return {_mm512_cvtph_ps(codes_hi16(p))}; }
+inline V16 vload(const f8e4m3_t* p) {
+  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(codes_hi16(p), 1), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+  return {_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f))};
+}
+// n codes (a multiple of 16) -> their values as float32: a float32 model's prefill rows.
+template <typename CT>
+inline void f8_values_row(const CT* src, float* dst, int n) {
+  for (int i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, vload(src + i).v);
+}
 inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -1090,8 +1106,8 @@ bool run_item(const Params& P, const T* q, const C* kc, const C* vc, int b, int 
     const T* qb = q + (static_cast<int64_t>(b + r) * P.H + static_cast<int64_t>(kh0) * g) * D;
     qrows[r] = qb;  // queries in the storage type (for the bf16 dot-product path)
 #if PAGODA_DPBF16
-    if constexpr (F8 != kNoF8) {
-      static_assert(std::is_same_v<T, bf16_t> && acc_permuted<T>(), "a one-byte cache is read with bf16 queries");
+    if constexpr (F8 != kNoF8 && std::is_same_v<T, bf16_t>) {  // (float32 queries read the codes' values)
+      static_assert(acc_permuted<T>(), "vdpbf16ps reads a one-byte cache with bf16 queries");
       bf16_t* qs = reinterpret_cast<bf16_t*>(S[r].qf.data());  // H * D floats: room for H * D bf16
       for (int i = 0; i < nheads * D; ++i) qs[i] = f8_scale_query(qb[i]);
       qrows[r] = qs;
@@ -1166,7 +1182,7 @@ bool run_item(const Params& P, const T* q, const C* kc, const C* vc, int b, int 
   A.qscale = P.qscale;
 #if PAGODA_DPBF16
   // e4m3 words hold 2^-120 of their values against queries scaled by 2^112: scores at 2^-8 of theirs.
-  if constexpr (F8 == kE4M3) A.qscale = P.qscale * 256.f;
+  if constexpr (F8 == kE4M3 && std::is_same_v<T, bf16_t>) A.qscale = P.qscale * 256.f;
 #endif
   for (int ts = t0; ts < t1; ts += span) {
     const int n = std::min(span, t1 - ts);
@@ -1395,14 +1411,15 @@ void decode_impl(const Params& P, const T* q, const C* kc, const C* vc, T* out, 
 // What both entry points require of the caches and of the step's tables (q [., H, D] is checked by
 // each for its own layout); the block ids themselves are checked by check_block_ids.
 // Whether this build's decode and prefill kernels read a one-byte (float8_e5m2 or float8_e4m3fn)
-// cache with queries of this dtype: bf16 with vdpbf16ps (subnormal codes read as zero), or bf16 and
-// float32 on AVX2 builds, in float32 (every code exactly).
+// cache with queries of this dtype: bf16 with vdpbf16ps (subnormal codes read as zero) or on AVX2
+// builds, float32 on AVX-512 and AVX2 builds (the codes widened to float32, every one exactly).
 bool decode_supports_f8(at::ScalarType q) {
-  return (q == at::kBFloat16 && PAGODA_DPBF16) || ((q == at::kBFloat16 || q == at::kFloat) && PAGODA_AVX2);
+  return (q == at::kBFloat16 && (PAGODA_DPBF16 || PAGODA_AVX2)) || (q == at::kFloat && (PAGODA_AVX512 || PAGODA_AVX2));
 }
 bool decode_supports_f8_op(c10::ScalarType q) { return decode_supports_f8(q); }
-// Whether they read subnormal codes as zero (vdpbf16ps builds), rather than as their values.
-bool decode_f8_flushes_subnormals() { return PAGODA_DPBF16; }
+// Whether they read subnormal codes as zero with queries of this dtype (bf16 on vdpbf16ps builds),
+// rather than as their values.
+bool decode_f8_flushes_subnormals(c10::ScalarType q) { return q == at::kBFloat16 && PAGODA_DPBF16; }
 
 void check_paged_inputs(const char* name, const at::Tensor& q, const at::Tensor& key_cache,
                         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -1488,19 +1505,19 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
 
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
   if (one_byte_dtype(key_cache.scalar_type())) {  // q's dtype is one decode_supports_f8 takes (check_paged_inputs)
-#if PAGODA_DPBF16 || PAGODA_AVX2
+#if PAGODA_AVX512 || PAGODA_AVX2
     with_f8_element(key_cache.scalar_type(), [&](auto* elem) {
       using C = std::remove_const_t<std::remove_pointer_t<decltype(elem)>>;
       const auto* kc = static_cast<const C*>(key_cache.data_ptr());
       const auto* vc = static_cast<const C*>(value_cache.data_ptr());
-#if PAGODA_AVX2
       if (q.scalar_type() == at::kFloat) {
         decode_impl<float, C>(P, q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), nthreads);
         return;
       }
-#endif
+#if PAGODA_DPBF16 || PAGODA_AVX2
       decode_impl<bf16_t, C>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
                              static_cast<bf16_t*>(out.data_ptr()), nthreads);
+#endif
     });
 #endif
     return;
@@ -2173,9 +2190,8 @@ void prefill_item(const PrefillParams& P, const T* q, const C* kc, const C* vc, 
     if constexpr (std::is_same_v<C, T>) {
       pack_kv<T>(P, rows_a[cur], rows_b[cur], nk, S);
     } else {
-#if PAGODA_DPBF16 || PAGODA_AVX2
-      static_assert(f8_kind<C>() != kNoF8 && (std::is_same_v<T, bf16_t> || PAGODA_AVX2),
-                    "a one-byte cache takes bf16 q, or float32 on AVX2");
+#if PAGODA_AVX512 || PAGODA_AVX2
+      static_assert(f8_kind<C>() != kNoF8, "a cache holds q's dtype or one-byte codes");
       thread_local std::vector<T> stage;
       stage.resize(static_cast<size_t>(2 * kKeyTile) * D);
       const T* ka[kKeyTile];
@@ -2331,22 +2347,20 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
   P.qscale = static_cast<float>(scale) * kLog2e;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
   if (one_byte_dtype(key_cache.scalar_type())) {  // q's dtype is one decode_supports_f8 takes (check_paged_inputs)
-#if PAGODA_DPBF16 || PAGODA_AVX2
     with_f8_element(key_cache.scalar_type(), [&](auto* elem) {
       using C = std::remove_const_t<std::remove_pointer_t<decltype(elem)>>;
       const auto* kc = static_cast<const C*>(key_cache.data_ptr());
       const auto* vc = static_cast<const C*>(value_cache.data_ptr());
-#if PAGODA_AVX2
       if (q.scalar_type() == at::kFloat) {
         prefill_impl<float, C>(P, q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), qs, sl, static_cast<int>(B),
                                nthreads);
         return;
       }
-#endif
+#if PAGODA_DPBF16 || PAGODA_AVX2
       prefill_impl<bf16_t, C>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
                               static_cast<bf16_t*>(out.data_ptr()), qs, sl, static_cast<int>(B), nthreads);
-    });
 #endif
+    });
   } else if (q.scalar_type() == at::kFloat) {
     prefill_impl<float>(P, q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
                         out.data_ptr<float>(), qs, sl, static_cast<int>(B), nthreads);
@@ -2399,7 +2413,7 @@ TORCH_LIBRARY(pagoda_cpu, m) {
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
   m.def("has_avx512() -> bool", TORCH_FN(has_avx512));
   m.def("decode_supports_f8(ScalarType q) -> bool", TORCH_FN(decode_supports_f8_op));
-  m.def("decode_f8_flushes_subnormals() -> bool", TORCH_FN(decode_f8_flushes_subnormals));
+  m.def("decode_f8_flushes_subnormals(ScalarType q) -> bool", TORCH_FN(decode_f8_flushes_subnormals));
   m.def(
       "paged_prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor(a!) out, int num_threads) -> ()");
