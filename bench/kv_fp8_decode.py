@@ -13,7 +13,8 @@ the bytes it reads (2 or 4 bytes a value, or 1), and the model dtype's time over
 give the same bits where the codes' values are what the bf16 cache holds (tests/test_cpu_attention.py);
 here the bf16 cache holds random values, which the codes round. ``--baseline OLD.cpp`` (another
 revision's kernels/csrc/paged_attention_cpu.cpp, built as its own extension) also runs its decode
-kernel on the e5m2 codes in the same turns: before / after on the one-byte cache in one process.
+kernel on the e5m2 and e4m3 codes in the same turns: before / after on the one-byte caches in one
+process.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (default: torch's)")
     ap.add_argument("--stat", default="median", choices=["median", "min"])
     ap.add_argument("--cache-mb", type=int, default=512, help="bf16 K/V cycled through per case")
-    ap.add_argument("--baseline", metavar="OLD.cpp", help="another paged_attention_cpu.cpp to time on the e5m2 codes")
+    ap.add_argument("--baseline", metavar="OLD.cpp", help="another paged_attention_cpu.cpp to time on the codes")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the queries' and model's")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -55,7 +56,7 @@ def main() -> int:
           f"{args.stat} of {args.reps}")
     header = (f"{'model':8} {'H/KV/D':>10} {'batch':>5} {'ctx':>5} | {name + ' ms':>8} {'GB/s':>6} | "
               f"{'e5m2 ms':>8} {'GB/s':>6} | {'e4m3 ms':>8} {'GB/s':>6} | {name + ' / e5m2':>11} {name + ' / e4m3':>11}"
-              + (" | before e5m2 ms | before / e5m2" if baseline else ""))
+              + (" | before e5m2, e4m3 ms | before / e5m2, e4m3" if baseline else ""))
     print(header)
     print("-" * len(header))
     for label, h, kvh, d, batch, ctx in kernel_bench.CASES:
@@ -74,14 +75,19 @@ def main() -> int:
         def e4m3(k, v):
             paged_decode_attention(q, *codes[torch.float8_e4m3fn][id(k)], bt, sl, scale, out=out)
 
-        def before(k, v):
+        def before_e5m2(k, v):
             baseline.paged_decode_attention(q, *codes[torch.float8_e5m2][id(k)], bt, sl, scale, out,
                                             torch.get_num_threads())
 
-        fns = [model, e5m2, e4m3] + ([before] if baseline else [])
+        def before_e4m3(k, v):
+            baseline.paged_decode_attention(q, *codes[torch.float8_e4m3fn][id(k)], bt, sl, scale, out,
+                                            torch.get_num_threads())
+
+        fns = [model, e5m2, e4m3] + ([before_e5m2, before_e4m3] if baseline else [])
         t16, t5, t4, *t_old = kernel_bench.time_interleaved(fns, caches, args.reps, args.stat)
         code_bytes = nbytes / dtype.itemsize
-        old = f" | {t_old[0] * 1e3:14.2f} | {t_old[0] / t5:12.3f}x" if baseline else ""
+        old = (f" | {t_old[0] * 1e3:9.2f}, {t_old[1] * 1e3:8.2f} | {t_old[0] / t5:11.3f}x, {t_old[1] / t4:.3f}x"
+               if baseline else "")
         print(f"{label:8} {f'{h}/{kvh}/{d}':>10} {batch:5d} {ctx:5d} | {t16 * 1e3:8.2f} {nbytes / t16 / 1e9:6.1f} | "
               f"{t5 * 1e3:8.2f} {code_bytes / t5 / 1e9:6.1f} | {t4 * 1e3:8.2f} {code_bytes / t4 / 1e9:6.1f} | "
               f"{t16 / t5:10.2f}x {t16 / t4:10.2f}x{old}", flush=True)

@@ -136,10 +136,11 @@ inline __m256i codes_hi16(const void* p) {
   return _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(static_cast<const __m128i*>(p))), 8);
 }
 inline V16 vload(const f8e5m2_t* p) { return {_mm512_cvtph_ps(codes_hi16(p))}; }
-inline V16 vload(const f8e4m3_t* p) {
+inline V16 vload_e4m3_scaled(const f8e4m3_t* p) {  // the values times 2^-8
   const __m256i h = _mm256_and_si256(_mm256_srai_epi16(codes_hi16(p), 1), _mm256_set1_epi16(static_cast<short>(0xBF80)));
-  return {_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f))};
+  return {_mm512_cvtph_ps(h)};
 }
+inline V16 vload(const f8e4m3_t* p) { return {_mm512_mul_ps(vload_e4m3_scaled(p).v, _mm512_set1_ps(256.f))}; }
 // n codes (a multiple of 16) -> their values as float32: a float32 model's prefill rows.
 template <typename CT>
 inline void f8_values_row(const CT* src, float* dst, int n) {
@@ -228,15 +229,19 @@ inline V16 vload(const f8e5m2_t* p) {
 }
 // 16 e4m3 codes, exactly: code << 8 shifted right by one (arithmetic) and bit 14 cleared puts the
 // sign, 4 exponent and 3 mantissa bits in a float16's places: the code's value times 2^-8,
-// subnormals included (the NaN code reads as 480). Widened, then times 2^8 (exact).
-inline __attribute__((always_inline)) __m256 e4m3x8_to_ps(__m128i code_hi) {
+// subnormals included (the NaN code reads as 480). vload widens and multiplies by 2^8 (exact).
+inline __attribute__((always_inline)) __m256 e4m3x8_to_ps_scaled(__m128i code_hi) {
   const __m128i h = _mm_and_si128(_mm_srai_epi16(code_hi, 1), _mm_set1_epi16(static_cast<short>(0xBF80)));
-  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+  return _mm256_cvtph_ps(h);
+}
+inline V16 vload_e4m3_scaled(const f8e4m3_t* p) {  // the values times 2^-8
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {e4m3x8_to_ps_scaled(_mm_unpacklo_epi8(_mm_setzero_si128(), b)),
+          e4m3x8_to_ps_scaled(_mm_unpackhi_epi8(_mm_setzero_si128(), b))};
 }
 inline V16 vload(const f8e4m3_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return {e4m3x8_to_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b)),
-          e4m3x8_to_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), b))};
+  const V16 v = vload_e4m3_scaled(p);
+  return {_mm256_mul_ps(v.lo, _mm256_set1_ps(256.f)), _mm256_mul_ps(v.hi, _mm256_set1_ps(256.f))};
 }
 // n codes (a multiple of 16) -> their values as bf16 (exact: every e5m2 and e4m3 value is one), what
 // the decode kernel reads: the prefill kernel's rows of a one-byte cache.
@@ -400,6 +405,19 @@ inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #else
 #define PAGODA_INLINE inline
 #endif
+
+// 16 cache elements as the float32 decode path reads them: their values, but e4m3 codes at 2^-8 of
+// theirs (one multiply fewer a chunk), which the path takes back in the scores' scale and in P
+// (kSpanScale): exact powers of two, so the same bits.
+template <typename C>
+PAGODA_INLINE V16 vload_span(const C* p) {
+#if PAGODA_AVX512 || PAGODA_AVX2
+  if constexpr (std::is_same_v<C, f8e4m3_t>) return vload_e4m3_scaled(p);
+#endif
+  return vload(p);
+}
+template <typename C>
+constexpr float kSpanScale = std::is_same_v<C, f8e4m3_t> ? 256.f : 1.f;
 
 #if PAGODA_DPBF16
 // e5m2 codes as bf16 words of their values times 2^-112, in three integer ops on the codes' float16
@@ -722,7 +740,7 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
         V16 part[NH];
         for (int j = 0; j < NH; ++j) part[j] = vzero();
         for (int c = 0; c < D / kTile; ++c) {
-          V16 kv = vload(kp + c * kTile);
+          V16 kv = vload_span(kp + c * kTile);
           for (int j = 0; j < NH; ++j) part[j] = vfma(vload(qh + j * D + c * kTile), kv, part[j]);
         }
         for (int j = 0; j < NH; ++j) tmp[(kh * NH + j) * kSpan + t] = part[j];
@@ -757,6 +775,10 @@ void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, 
       V16 s[2] = {hsum16(tj), n > kTile ? hsum16(tj + kTile) : vzero()};
       V16 e[2];
       alpha[j] = softmax_span(s, n, A.qscale, m[kh * g + j], lsum[kh * g + j], e);
+      if constexpr (kSpanScale<VC> != 1.f) {  // V read at 2^-8 of its values (vload_span)
+        e[0] = vmul(e[0], vset1(kSpanScale<VC>));
+        e[1] = vmul(e[1], vset1(kSpanScale<VC>));
+      }
       vstore(p[j], e[0]);
       vstore(p[j] + kTile, e[1]);
     }
@@ -777,8 +799,8 @@ void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, 
         const VC* vr = vrow[t] + kh * A.vs2 + c * kTile;
         for (int j = 0; j < NH; ++j) {
           const V16 pj = vset1(p[j][t]);
-          a[j] = vfma(pj, vload(vr), a[j]);
-          b[j] = vfma(pj, vload(vr + kTile), b[j]);
+          a[j] = vfma(pj, vload_span(vr), a[j]);
+          b[j] = vfma(pj, vload_span(vr + kTile), b[j]);
         }
       }
       for (int j = 0; j < NH; ++j) {
@@ -791,7 +813,7 @@ void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, 
       for (int j = 0; j < NH; ++j) a[j] = vmul(vload(acch + j * D + c * kTile), vset1(alpha[j]));
       for (int t = 0; t < n; ++t) {
         if (c == 0 && vpf && vpf[t]) prefetch_range_l2(vpf[t] + kh * A.vs2, A.pf_bytes);
-        V16 vv = vload(vrow[t] + kh * A.vs2 + c * kTile);
+        V16 vv = vload_span(vrow[t] + kh * A.vs2 + c * kTile);
         for (int j = 0; j < NH; ++j) a[j] = vfma(vset1(p[j][t]), vv, a[j]);
       }
       for (int j = 0; j < NH; ++j) vstore(acch + j * D + c * kTile, a[j]);
@@ -1180,10 +1202,9 @@ bool run_item(const Params& P, const T* q, const C* kc, const C* vc, int b, int 
   A.nkv = nkv;
   A.g = g;
   A.qscale = P.qscale;
-#if PAGODA_DPBF16
-  // e4m3 words hold 2^-120 of their values against queries scaled by 2^112: scores at 2^-8 of theirs.
-  if constexpr (F8 == kE4M3 && std::is_same_v<T, bf16_t>) A.qscale = P.qscale * 256.f;
-#endif
+  // An e4m3 cache's scores come out at 2^-8 of theirs: vdpbf16ps builds read the codes as words of
+  // 2^-120 of their values against queries scaled by 2^112, the float32 path at 2^-8 (vload_span).
+  if constexpr (F8 == kE4M3) A.qscale = P.qscale * 256.f;
   for (int ts = t0; ts < t1; ts += span) {
     const int n = std::min(span, t1 - ts);
     rows.fill(krow, vrow, n);
