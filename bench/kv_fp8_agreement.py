@@ -123,7 +123,8 @@ def main() -> int:
                 agree += top == top_ref
                 diffs.append(abs(lp - lp_ref))
         diffs.sort()
-        print(f"  teacher-forced, {len(diffs)} positions: top token the reference's at {100 * agree / len(diffs):.2f}%; "
+        print(f"  teacher-forced, {len(diffs)} positions: top token the reference's at "
+              f"{100 * agree / len(diffs):.2f}%; "
               f"|log-prob difference| of the next token mean {statistics.mean(diffs):.4f}, "
               f"p99 {diffs[int(0.99 * len(diffs))]:.3f}")
     return 0

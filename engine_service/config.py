@@ -62,17 +62,17 @@ class EngineConfig:
     # workload the first-touch faults cost ~4 s of a 54 s run (bench/RESULTS.md). Costs ~1 s per GiB
     # of KV budget at start-up and commits that memory at once.
     kv_cache_prefault: bool = True
-    # dtype of the paged KV cache, vLLM's kv_cache_dtype: "auto" = the model dtype; one byte a value:
-    # "fp8" or "fp8_e4m3" (float8_e4m3fn: 4 exponent bits, 3 mantissa bits, values up to +-448,
-    # larger ones saturating there, scale 1.0 as vLLM's default) or "fp8_e5m2" (5 exponent bits, 2
-    # mantissa bits), values as torch's conversion rounds them: half the bytes a decode step's
-    # attention reads (a quarter for a float32 model) and twice the tokens a KV budget holds. e4m3's
-    # extra mantissa bit halves e5m2's error in the next token's log-probability (0.065 against
-    # 0.118 on SmolLM2, bench/kv_fp8_agreement.py); K/V values above 448 would saturate. Output is
-    # then no longer token-identical to transformers (the kernels give what a bf16 cache of the
-    # codes' values gives) and drifts: bench/kv_fp8_agreement.py, bench/RESULTS.md; a request preempted
-    # and recomputed (preemption_mode "recompute") may continue differently, where a recomputed
-    # K/V value rounds to another code ("swap" keeps the codes). A bfloat16 model on a CPU with
+    # dtype of the paged KV cache, vLLM's kv_cache_dtype: "auto" = the model dtype; one byte a
+    # value: "fp8" or "fp8_e4m3" (float8_e4m3fn: 4 exponent bits, 3 mantissa bits, values up to
+    # +-448, larger ones saturating there, scale 1.0 as vLLM's default) or "fp8_e5m2" (5 exponent
+    # bits, 2 mantissa bits), values as torch's conversion rounds them: half the bytes a decode
+    # step's attention reads (a quarter for a float32 model) and twice the tokens a KV budget
+    # holds. e4m3's extra mantissa bit cuts e5m2's error in the next token's log-probability by 40%
+    # (0.073 against 0.120 on SmolLM2 in bf16, bench/kv_fp8_agreement.py). Output is then no longer
+    # token-identical to transformers (the kernels give what a bf16 cache of the codes' values
+    # gives) and drifts: bench/kv_fp8_agreement.py, bench/RESULTS.md; a request preempted and
+    # recomputed (preemption_mode "recompute") may continue differently, where a recomputed K/V
+    # value rounds to another code ("swap" keeps the codes). A bfloat16 model on a CPU with
     # AVX512-BF16 (bf16 dot products, subnormal codes read as zero) or with AVX2 and no AVX-512, a
     # float32 model on a CPU with AVX-512 or AVX2 (the codes widened exactly to float32): where
     # Pagoda's C++ kernels read it.

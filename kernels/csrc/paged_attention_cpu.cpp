@@ -137,7 +137,8 @@ inline __m256i codes_hi16(const void* p) {
 }
 inline V16 vload(const f8e5m2_t* p) { return {_mm512_cvtph_ps(codes_hi16(p))}; }
 inline V16 vload_e4m3_scaled(const f8e4m3_t* p) {  // the values times 2^-8
-  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(codes_hi16(p), 1), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+  const __m256i h =
+      _mm256_and_si256(_mm256_srai_epi16(codes_hi16(p), 1), _mm256_set1_epi16(static_cast<short>(0xBF80)));
   return {_mm512_cvtph_ps(h)};
 }
 inline V16 vload(const f8e4m3_t* p) { return {_mm512_mul_ps(vload_e4m3_scaled(p).v, _mm512_set1_ps(256.f))}; }
@@ -434,7 +435,7 @@ constexpr float kSpanScale = std::is_same_v<C, f8e4m3_t> ? 256.f : 1.f;
 // scaled pair is the product of the unscaled ones times a power of two, so the scores and P @ V are
 // the same bits.
 template <int F8>
-constexpr int kF8ExpShift = F8 == kE4M3 ? 120 : 112;  // 127 - 7 or 127 - 15: bf16's exponent bias less the code's
+constexpr int kF8ExpShift = F8 == kE4M3 ? 120 : 112;  // 127 - 7 or 127 - 15: bf16's bias less the code's
 constexpr int kF8QueryShift = 112;
 template <int F8>
 PAGODA_INLINE __m512i f8_words(__m512i code_hi) {
@@ -630,9 +631,9 @@ PAGODA_INLINE float softmax_span(V16* s, int n, float qscale, float& m, V16& lsu
 // queries are held in registers for the whole span (with a runtime kv-head count they were reloaded
 // for every token: a store to tmp may alias them). SmolLM2 shapes, one core, from L2: 1.07x.
 //
-// F8: the K rows are one-byte codes (kE5M2: f8e5m2_t, kE4M3: f8e4m3_t). vdpbf16ps builds: T is
-// bf16, qraw scaled by 2^112, f8_words; AVX2 builds: T is bf16 or float32, the codes widened to
-// their values, against qf.
+// F8: the K rows are one-byte codes (kE5M2: f8e5m2_t, kE4M3: f8e4m3_t). vdpbf16ps builds with bf16
+// queries: qraw scaled by 2^112, f8_words; float32 queries, and bf16 ones on AVX2 builds: the codes
+// widened to floats (vload_span), against qf.
 template <typename T, int NH, int DT, int NKV, int F8 = kNoF8>
 PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw, V16* tmp) {
   const int D = DT ? DT : A.D;
@@ -724,10 +725,10 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
     for (int r = 0; r < nkv * NH; ++r)
       for (int t = n; t < nfill; ++t) tmp[r * kSpan + t] = vzero();
     return;
-  } else  // (the float path below never sees bf16 here, so never codes either)
+  } else  // (the float path below: float32 queries here, on a cache of float32 or of codes)
 #endif
   {
-    // The cache element: T's, or a one-byte code (AVX2 builds: vload widens it exactly).
+    // The cache element: T's, or a one-byte code (vload_span widens it).
     using KC = CacheElem<T, F8>;
     const KC* const* krow = reinterpret_cast<const KC* const*>(A.krow);
     const KC* const* kpf = reinterpret_cast<const KC* const*>(A.kpf);
@@ -756,7 +757,8 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
 // Decode: one span of up to kSpan tokens for the item (see SpanArgs). Scores kept in the log2
 // domain (qscale = scale * log2(e)); acc: unnormalized output accumulators, m: running max, lsum:
 // 16-lane partial running sums. DT: head_dim known at compile time (0: use A.D). F8: the caches hold
-// one-byte codes, read as their exact values (AVX2 builds; vdpbf16ps builds use attend_span_bf16).
+// one-byte codes, read through vload_span (AVX2 builds, and float32 queries on AVX-512; bf16 queries
+// on vdpbf16ps builds use attend_span_bf16).
 // ------------------------------------------------------------------------------------------
 template <typename T, int NH, int DT, int F8 = kNoF8>
 void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, float* m, V16* lsum, V16* tmp) {
@@ -972,7 +974,7 @@ SpanFn<T> span_fn_d(int nh) {
       case 7: return attend_span_bf16<7, DT, 0, F8>;
       default: return attend_span_bf16<8, DT, 0, F8>;
     }
-  } else  // (not instantiated for bf16 here: attend_span reads codes on AVX2 builds only)
+  } else  // (attend_span: float32 queries here)
 #endif
   {
     switch (nh) {
