@@ -10,6 +10,7 @@ import urllib.request
 
 import grpc
 import pytest
+import torch
 
 from engine_service import LLM, EngineConfig, SamplingParams
 from engine_service import async_engine
@@ -690,6 +691,8 @@ def test_serve_options_come_from_the_command_line_or_pagoda_variables(monkeypatc
     config = EngineConfig(model=args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})
     assert (config.kv_cache_dtype, config.max_num_seqs, config.enable_prefix_caching) == ("fp8_e5m2", 8, False)
     assert build_parser().parse_args(["serve", "--kv-cache-dtype", "auto"]).kv_cache_dtype == "auto"
+    fp8 = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"]).kv_cache_dtype  # vLLM's e4m3 name
+    assert EngineConfig(kv_cache_dtype=fp8).torch_kv_cache_dtype == torch.float8_e4m3fn
     monkeypatch.setenv("PAGODA_DTYPE", "float64")
     with pytest.raises(SystemExit):
         build_parser()
