@@ -38,26 +38,18 @@ TOPICS = ["a lighthouse keeper", "the water cycle", "how bread rises", "a chess 
           "plate tectonics", "a bakery at dawn"]
 
 
-def teacher_forced(llm, prompts_ids, outputs) -> list[list[tuple[int, float]]]:
+def teacher_forced(llm, sampling_params, prompts_ids, outputs) -> list[list[tuple[int, float]]]:
     """For each request, each position's (top token, log-probability of the actual next token) with
-    the prompt followed by ``outputs`` (the reference's tokens) as the prompt."""
-    from_params = llm_params(llm)
+    the prompt followed by ``outputs`` (the reference's tokens) as the prompt; ``sampling_params``:
+    the SamplingParams class of ``llm``'s engine."""
     rows = []
     forced = [{"prompt_token_ids": list(p) + list(o)} for p, o in zip(prompts_ids, outputs)]
-    for out in llm.generate(forced, from_params(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False):
+    params = sampling_params(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    for out in llm.generate(forced, params, use_tqdm=False):
         ids = out.prompt_token_ids
         rows.append([(max(d.items(), key=lambda kv: kv[1].logprob)[0], d[ids[i]].logprob)
                      for i, d in enumerate(out.prompt_logprobs) if d is not None])
     return rows
-
-
-def llm_params(llm):
-    """The SamplingParams class of the engine ``llm`` belongs to."""
-    if type(llm).__module__.startswith("vllm"):
-        from vllm import SamplingParams
-    else:
-        from engine_service import SamplingParams
-    return SamplingParams
 
 
 def main() -> int:
@@ -95,7 +87,7 @@ def main() -> int:
         outputs[kv] = [list(o.outputs[0].token_ids) for o in results]
         if prompt_ids is None:
             prompt_ids = [list(o.prompt_token_ids) for o in results]
-        forced[kv] = teacher_forced(llm, prompt_ids, outputs["auto"])
+        forced[kv] = teacher_forced(llm, SamplingParams, prompt_ids, outputs["auto"])
         del llm
     n = len(requests)
     engine = "vLLM-CPU" if args.vllm else "Pagoda"

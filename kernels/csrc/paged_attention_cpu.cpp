@@ -129,9 +129,9 @@ inline V16 vload(const bf16_t* p) {
 inline V16 vload(const f16_t* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
-// 16 one-byte codes, exactly, as float16 words widened (the float32 path: float32 queries): an e5m2
-// code << 8 is the float16 of its value; an e4m3 code << 8, shifted right by one (arithmetic) with
-// bit 14 cleared, is the float16 of its value times 2^-8, taken back by a multiply (exact).
+// 16 one-byte codes as float16 words widened (the float32 path: float32 queries): an e5m2 code << 8
+// is the float16 of its value; an e4m3 code << 8, shifted right by one (arithmetic) with bit 14
+// cleared, is the float16 of its value times 2^-8 (vload takes it back, below the ISA sections).
 inline __m256i codes_hi16(const void* p) {
   return _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(static_cast<const __m128i*>(p))), 8);
 }
@@ -140,12 +140,6 @@ inline V16 vload_e4m3_scaled(const f8e4m3_t* p) {  // the values times 2^-8
   const __m256i h =
       _mm256_and_si256(_mm256_srai_epi16(codes_hi16(p), 1), _mm256_set1_epi16(static_cast<short>(0xBF80)));
   return {_mm512_cvtph_ps(h)};
-}
-inline V16 vload(const f8e4m3_t* p) { return {_mm512_mul_ps(vload_e4m3_scaled(p).v, _mm512_set1_ps(256.f))}; }
-// n codes (a multiple of 16) -> their values as float32: a float32 model's prefill rows.
-template <typename CT>
-inline void f8_values_row(const CT* src, float* dst, int n) {
-  for (int i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, vload(src + i).v);
 }
 inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
@@ -228,9 +222,9 @@ inline V16 vload(const f8e5m2_t* p) {
   return {_mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b)),
           _mm256_cvtph_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), b))};
 }
-// 16 e4m3 codes, exactly: code << 8 shifted right by one (arithmetic) and bit 14 cleared puts the
-// sign, 4 exponent and 3 mantissa bits in a float16's places: the code's value times 2^-8,
-// subnormals included (the NaN code reads as 480). vload widens and multiplies by 2^8 (exact).
+// 16 e4m3 codes: code << 8 shifted right by one (arithmetic) and bit 14 cleared puts the sign, 4
+// exponent and 3 mantissa bits in a float16's places: the code's value times 2^-8, subnormals
+// included (the NaN code reads as 480), widened exactly (vload takes the 2^-8 back).
 inline __attribute__((always_inline)) __m256 e4m3x8_to_ps_scaled(__m128i code_hi) {
   const __m128i h = _mm_and_si128(_mm_srai_epi16(code_hi, 1), _mm_set1_epi16(static_cast<short>(0xBF80)));
   return _mm256_cvtph_ps(h);
@@ -239,31 +233,6 @@ inline V16 vload_e4m3_scaled(const f8e4m3_t* p) {  // the values times 2^-8
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {e4m3x8_to_ps_scaled(_mm_unpacklo_epi8(_mm_setzero_si128(), b)),
           e4m3x8_to_ps_scaled(_mm_unpackhi_epi8(_mm_setzero_si128(), b))};
-}
-inline V16 vload(const f8e4m3_t* p) {
-  const V16 v = vload_e4m3_scaled(p);
-  return {_mm256_mul_ps(v.lo, _mm256_set1_ps(256.f)), _mm256_mul_ps(v.hi, _mm256_set1_ps(256.f))};
-}
-// n codes (a multiple of 16) -> their values as bf16 (exact: every e5m2 and e4m3 value is one), what
-// the decode kernel reads: the prefill kernel's rows of a one-byte cache.
-template <typename CT>
-inline void f8_values_row(const CT* src, bf16_t* dst, int n) {
-  for (int i = 0; i < n; i += 16) {
-    const V16 f = vload(src + i);
-    const __m256i w = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(f.lo), 16),
-                                          _mm256_srli_epi32(_mm256_castps_si256(f.hi), 16));
-    // packus interleaves the halves' 128-bit lanes: lo 0-3, hi 0-3, lo 4-7, hi 4-7
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permute4x64_epi64(w, 0xD8));
-  }
-}
-// ... and as float32 (a float32 model's prefill).
-template <typename CT>
-inline void f8_values_row(const CT* src, float* dst, int n) {
-  for (int i = 0; i < n; i += 16) {
-    const V16 f = vload(src + i);
-    _mm256_storeu_ps(dst + i, f.lo);
-    _mm256_storeu_ps(dst + i + 8, f.hi);
-  }
 }
 inline void vstore(float* p, V16 a) {
   _mm256_storeu_ps(p, a.lo);
@@ -405,6 +374,30 @@ inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #define PAGODA_INLINE inline __attribute__((always_inline))
 #else
 #define PAGODA_INLINE inline
+#endif
+
+#if PAGODA_AVX512 || PAGODA_AVX2
+// 16 e4m3 codes, exactly (vload_e4m3_scaled's values times 2^8).
+inline V16 vload(const f8e4m3_t* p) { return vmul(vload_e4m3_scaled(p), vset1(256.f)); }
+// n codes (a multiple of 16) -> their values as float32: a float32 model's prefill rows.
+template <typename CT>
+inline void f8_values_row(const CT* src, float* dst, int n) {
+  for (int i = 0; i < n; i += 16) vstore(dst + i, vload(src + i));
+}
+#endif
+#if PAGODA_AVX2
+// n codes (a multiple of 16) -> their values as bf16 (exact: every e5m2 and e4m3 value is one), what
+// the decode kernel reads: the prefill kernel's rows of a one-byte cache.
+template <typename CT>
+inline void f8_values_row(const CT* src, bf16_t* dst, int n) {
+  for (int i = 0; i < n; i += 16) {
+    const V16 f = vload(src + i);
+    const __m256i w = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(f.lo), 16),
+                                          _mm256_srli_epi32(_mm256_castps_si256(f.hi), 16));
+    // packus interleaves the halves' 128-bit lanes: lo 0-3, hi 0-3, lo 4-7, hi 4-7
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permute4x64_epi64(w, 0xD8));
+  }
+}
 #endif
 
 // 16 cache elements as the float32 decode path reads them: their values, but e4m3 codes at 2^-8 of
