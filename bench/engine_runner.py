@@ -266,8 +266,8 @@ def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=None, help="pagoda: KV block size (default: the engine's)")
     ap.add_argument("--matmul-dtype", default="auto", help="pagoda: EngineConfig.matmul_dtype")
-    ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                    help="pagoda, vllm: kv_cache_dtype (default: the engine's own, the model dtype)")
+    ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
+                    help="pagoda, vllm: kv_cache_dtype (default: the engine's own, the model dtype; int8: Pagoda only)")
     ap.add_argument("--cpu-f32-gemm", action=argparse.BooleanOptionalAction, default=None,
                     help="pagoda: EngineConfig.cpu_f32_gemm (default: the engine's choice for this CPU)")
     ap.add_argument("--num-speculative-tokens", type=int, default=0,

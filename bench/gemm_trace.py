@@ -82,8 +82,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=256, help="the first N requests of W: the decode batch, or with --prefill the requests added")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                    help="the engine's kv_cache_dtype (fp8 = e4m3, fp8_e5m2: one byte a K/V value)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
+                    help="the engine's kv_cache_dtype (fp8 = e4m3, fp8_e5m2: one byte a K/V value; int8: codes and a scale a row)")
     ap.add_argument("--prefill", action="store_true",
                     help="trace W's first --steps steps (all of W added at once: prefill steps) instead")
     args = ap.parse_args()

@@ -17,6 +17,7 @@ Formats (a scale per row = per token and kv head, over head_dim values):
                        magnitude / 2^k <= 448
   e4m3-token           a float32 scale a row: largest magnitude / 448 (that value exact)
   int8-token           int8 codes, a float32 scale a row: largest magnitude / 127, round half even
+  int7-token           the same with codes -63 .. 63 (largest magnitude / 63)
   +flush               after any of them: codes below 2^-6 (e4m3) or 2^-14 (e5m2) in magnitude
                        read as zero, as the bf16 decode kernel with vdpbf16ps reads them
   K/V                  K through format K, V through format V ("none": as the model dtype's cache)
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kv_fp8_agreement import report, teacher_forced, text_prompts  # noqa: E402
 
-FORMATS = ("e5m2", "e4m3", "e4m3-pow2", "e4m3-token", "int8-token")
+FORMATS = ("e5m2", "e4m3", "e4m3-pow2", "e4m3-token", "int8-token", "int7-token")
 E4M3_MAX = 448.0
 
 
@@ -56,9 +57,10 @@ def round_through(x: torch.Tensor, fmt: str) -> torch.Tensor:
     if name == "e5m2":
         scale, codes = one, xf.to(torch.float8_e5m2).float()
         tiny = 2.0 ** -14
-    elif name == "int8-token":
-        scale = torch.where(amax > 0, amax / 127.0, one)
-        codes, tiny = torch.round(xf / scale).clamp(-127, 127), 0.0
+    elif name in ("int8-token", "int7-token"):
+        top = 127.0 if name == "int8-token" else 63.0
+        scale = torch.where(amax > 0, amax / top, one)
+        codes, tiny = torch.round(xf / scale).clamp(-top, top), 0.0
     else:
         if name == "e4m3":
             scale = one

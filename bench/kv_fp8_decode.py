@@ -1,6 +1,6 @@
 """The CPU decode kernel on one-byte K/V caches (float8_e5m2 and float8_e4m3fn, vLLM's
-``kv_cache_dtype="fp8_e5m2"`` and ``"fp8"``) against a bf16 cache of the same values, calls
-alternating in one process.
+``kv_cache_dtype="fp8_e5m2"`` and ``"fp8"``; and int8 codes with a float32 scale a row, where the
+build reads them) against a bf16 cache of the same values, calls alternating in one process.
 
     python bench/kv_fp8_decode.py [--reps 20] [--threads N] [--stat median|min] [--dtype float32] [--baseline OLD.cpp]
 
@@ -43,7 +43,8 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pagoda_kernels.cpu_attention import decode_supports_f8, paged_decode_attention
+    from pagoda_kernels.attention import quantize_int8_rows
+    from pagoda_kernels.cpu_attention import decode_supports_f8, decode_supports_int8, paged_decode_attention
 
     if not decode_supports_f8(dtype):
         print(f"this build's decode kernel has no one-byte cache with {args.dtype} queries (bf16: AVX512-BF16 or "
@@ -51,11 +52,13 @@ def main() -> int:
         return 1
     kernel_bench.MIN_CACHE_BYTES = args.cache_mb << 20
     baseline = kernel_bench.load_cpu_baseline(args.baseline) if args.baseline else None
+    int8 = decode_supports_int8(dtype)
     name = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
     print(f"paged decode, {name} queries, block size {kernel_bench.BLOCK_SIZE}, {torch.get_num_threads()} threads, "
           f"{args.stat} of {args.reps}")
     header = (f"{'model':8} {'H/KV/D':>10} {'batch':>5} {'ctx':>5} | {name + ' ms':>8} {'GB/s':>6} | "
               f"{'e5m2 ms':>8} {'GB/s':>6} | {'e4m3 ms':>8} {'GB/s':>6} | {name + ' / e5m2':>11} {name + ' / e4m3':>11}"
+              + (f" | {'int8 ms':>8} {'GB/s':>6} {name + ' / int8':>11}" if int8 else "")
               + (" | before e5m2, e4m3 ms | before / e5m2, e4m3" if baseline else ""))
     print(header)
     print("-" * len(header))
@@ -63,6 +66,8 @@ def main() -> int:
         q, caches, meta, nbytes = kernel_bench.make_case(h, kvh, d, batch, ctx, dtype)
         codes = {f8: {id(k): (k.to(f8), v.to(f8)) for k, v in caches}
                  for f8 in (torch.float8_e5m2, torch.float8_e4m3fn)}
+        if int8:  # codes and a scale a row: head_dim + 4 bytes
+            codes["int8"] = {id(k): (quantize_int8_rows(k), quantize_int8_rows(v)) for k, v in caches}
         bt, sl, scale = meta.decode_block_tables, meta.decode_seq_lens, 1 / math.sqrt(d)
         out = torch.empty_like(q)
 
@@ -83,14 +88,20 @@ def main() -> int:
             baseline.paged_decode_attention(q, *codes[torch.float8_e4m3fn][id(k)], bt, sl, scale, out,
                                             torch.get_num_threads())
 
-        fns = [model, e5m2, e4m3] + ([before_e5m2, before_e4m3] if baseline else [])
-        t16, t5, t4, *t_old = kernel_bench.time_interleaved(fns, caches, args.reps, args.stat)
+        def i8(k, v):
+            paged_decode_attention(q, *codes["int8"][id(k)], bt, sl, scale, out=out)
+
+        fns = [model, e5m2, e4m3] + ([i8] if int8 else []) + ([before_e5m2, before_e4m3] if baseline else [])
+        t16, t5, t4, *rest = kernel_bench.time_interleaved(fns, caches, args.reps, args.stat)
+        t_i8, t_old = (rest[0], rest[1:]) if int8 else (None, rest)
         code_bytes = nbytes / dtype.itemsize
+        i8_col = (f" | {t_i8 * 1e3:8.2f} {code_bytes * (d + 4) / d / t_i8 / 1e9:6.1f} {t16 / t_i8:10.2f}x"
+                  if int8 else "")
         old = (f" | {t_old[0] * 1e3:9.2f}, {t_old[1] * 1e3:8.2f} | {t_old[0] / t5:11.3f}x, {t_old[1] / t4:.3f}x"
                if baseline else "")
         print(f"{label:8} {f'{h}/{kvh}/{d}':>10} {batch:5d} {ctx:5d} | {t16 * 1e3:8.2f} {nbytes / t16 / 1e9:6.1f} | "
               f"{t5 * 1e3:8.2f} {code_bytes / t5 / 1e9:6.1f} | {t4 * 1e3:8.2f} {code_bytes / t4 / 1e9:6.1f} | "
-              f"{t16 / t5:10.2f}x {t16 / t4:10.2f}x{old}", flush=True)
+              f"{t16 / t5:10.2f}x {t16 / t4:10.2f}x{i8_col}{old}", flush=True)
         del caches, codes
     return 0
 

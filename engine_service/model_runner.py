@@ -19,7 +19,7 @@ from engine_service.models.llama import KeptRows, LlamaForCausalLM
 from engine_service.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_service.scheduler import SchedulerOutput
 from engine_service.sequence import Request, Sequence
-from pagoda_kernels.attention import AttentionMetadata, get_attention_backend
+from pagoda_kernels.attention import INT8_ROW_SCALE_BYTES, AttentionMetadata, get_attention_backend
 from pagoda_kernels.layer_ops import get_layer_ops
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,14 @@ class PromptLogprobs:
 def kv_bytes_per_block(model_config, config: EngineConfig) -> int:
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
     elem = torch.empty((), dtype=config.torch_kv_cache_dtype).element_size()
-    return 2 * model_config.num_hidden_layers * config.block_size * model_config.num_key_value_heads * head_dim * elem
+    return 2 * model_config.num_hidden_layers * config.block_size * model_config.num_key_value_heads * elem * (
+        cache_row_elems(head_dim, config.torch_kv_cache_dtype))
+
+
+def cache_row_elems(head_dim: int, cache_dtype: torch.dtype) -> int:
+    """Elements of a (token, kv head) row in a cache of ``cache_dtype``: head_dim, and an int8
+    cache's scale after its codes."""
+    return head_dim + (INT8_ROW_SCALE_BYTES if cache_dtype == torch.int8 else 0)
 
 
 class ModelRunner:
@@ -100,14 +107,15 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         self.attn = get_attention_backend(config.attention_backend, self.device)
         head_dim = self.model.layers[0].self_attn.head_dim
-        shape = (model_config.num_hidden_layers, 2, config.num_kv_blocks, config.block_size,
-                 model_config.num_key_value_heads, head_dim)
         self.kv_cache_dtype = config.torch_kv_cache_dtype
+        shape = (model_config.num_hidden_layers, 2, config.num_kv_blocks, config.block_size,
+                 model_config.num_key_value_heads, cache_row_elems(head_dim, self.kv_cache_dtype))
         if self.kv_cache_dtype != self.dtype and not (self.attn.reads_cache_dtype(self.kv_cache_dtype, self.dtype)
                                                       and self.layer_ops.reads_one_byte_cache):
             raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} needs Pagoda's C++ attention and layer "
                              f"kernels: a bfloat16 model on a CPU with AVX512-BF16 or AVX2, a float32 model on one "
-                             f"with AVX-512 or AVX2 (here: attention backend {self.attn.name!r}, "
+                             f"with AVX-512 or AVX2 (int8: a bfloat16 model with AVX512-BF16) (here: attention "
+                             f"backend {self.attn.name!r}, "
                              f"layer ops {type(self.layer_ops).__name__})")
         # torch.empty: pages are committed on first write (unless kv_cache_prefault writes them all now).
         self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)

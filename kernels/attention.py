@@ -45,6 +45,38 @@ ONE_BYTE_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
+# An int8 cache's (token, kv head) row: head_dim int8 codes, then the row's float32 scale (4 bytes);
+# the cache's last dim is head_dim + INT8_ROW_SCALE_BYTES.
+INT8_ROW_SCALE_BYTES = 4
+
+
+def quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows x [..., head_dim] (bf16 or float32) as an int8 cache stores them: [..., head_dim + 4]
+    int8, each row's codes round(x * (127 / amax)) (nearest even; amax its largest magnitude) and
+    then its scale amax / 127 as float32 bytes; a row of zeros (or with a NaN) gets scale 1 and
+    codes round(x), NaN values code 0. The bytes Pagoda's C++ writers store."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    pos = amax > 0  # False for a NaN amax too
+    one = torch.ones_like(amax)
+    scale = torch.where(pos, amax / 127.0, one)
+    inv = torch.where(pos, torch.full_like(amax, 127.0) / amax, one)  # (127.0 / amax would be reciprocal x 127)
+    v = xf * inv
+    codes = torch.where(v.isnan(), torch.zeros_like(v), v).clamp(-127, 127).round().to(torch.int8)
+    return torch.cat([codes, scale.view(torch.int8)], dim=-1)
+
+
+def cache_head_dim(cache: torch.Tensor) -> int:
+    """A K/V cache's head_dim: its last dim, less an int8 cache's scale bytes."""
+    return cache.shape[-1] - (INT8_ROW_SCALE_BYTES if cache.dtype == torch.int8 else 0)
+
+
+def dequantize_int8_rows(rows: torch.Tensor) -> torch.Tensor:
+    """An int8 cache's rows [..., head_dim + 4] -> their values [..., head_dim] float32 (codes x scale)."""
+    codes, scale = rows[..., :-INT8_ROW_SCALE_BYTES], rows[..., -INT8_ROW_SCALE_BYTES:].contiguous()
+    return codes.float() * scale.view(torch.float32)
+
+
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows as a cache of ``dtype`` stores them: torch's conversion, where float8_e4m3fn (no
     infinities) saturates at +-448 first (torch's conversion alone gives NaN there), as vLLM's fp8

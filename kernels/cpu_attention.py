@@ -166,7 +166,9 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     the current token (whose K/V is already in the cache). H must be a multiple of kv_heads; D a
     multiple of 16; float32, bfloat16 or float16, or float8_e5m2 / float8_e4m3fn caches (one byte a
     value) with bfloat16 or float32 q where ``decode_supports_f8(q.dtype)``; subnormal values read as zero where
-    ``decode_f8_flushes_subnormals(q.dtype)``, else every code as its value). Returns [B, H, D] in q's dtype
+    ``decode_f8_flushes_subnormals(q.dtype)``, else every code as its value), or int8 caches [num_blocks,
+    block_size, kv_heads, D + 4] (each row D codes and a float32 scale, ``quantize_int8_rows``) with
+    bfloat16 q where ``decode_supports_int8(q.dtype)``. Returns [B, H, D] in q's dtype
     (``out`` if given). Accumulation is in float32. A sequence of length 0 gets zeros.
     """
     op = _op if _op is not None else load_extension()
@@ -192,6 +194,14 @@ def decode_f8_flushes_subnormals(dtype: torch.dtype = torch.bfloat16) -> bool:
     values (float32 queries, and every AVX2 build)."""
     load_extension()
     return bool(torch.ops.pagoda_cpu.decode_f8_flushes_subnormals(dtype))
+
+
+def decode_supports_int8(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this host's build of the decode kernel reads an int8 cache (each row head_dim codes
+    and a float32 scale, ``pagoda_kernels.attention.quantize_int8_rows``) with queries of ``dtype``:
+    bf16 on a CPU with AVX512-BF16. The prefill kernel does not read one yet."""
+    load_extension()
+    return bool(torch.ops.pagoda_cpu.decode_supports_int8(dtype))
 
 
 def prefill_supported(dtype: torch.dtype) -> bool:
@@ -246,7 +256,8 @@ class CpuAttention(TorchAttention):
                 and value.stride(1) == value.shape[2] and key_cache.is_contiguous() and value_cache.is_contiguous()
                 and slot_mapping.dtype == torch.int64 and key.dtype == value.dtype
                 and (key_cache.dtype == key.dtype
-                     or (key_cache.dtype in ONE_BYTE_DTYPES and key.dtype in (torch.bfloat16, torch.float32)))):
+                     or (key_cache.dtype in (*ONE_BYTE_DTYPES, torch.int8)
+                         and key.dtype in (torch.bfloat16, torch.float32)))):
             self._reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous())
         else:
             super().write_kv(key, value, key_cache, value_cache, slot_mapping)
@@ -258,7 +269,8 @@ class CpuAttention(TorchAttention):
         # A one-byte cache with a bf16 or float32 model, where the build's kernels read it.
         one_byte = (cache_dtype in ONE_BYTE_DTYPES and dtype in (torch.bfloat16, torch.float32)
                     and decode_supports_f8(dtype))
-        return one_byte or super().reads_cache_dtype(cache_dtype, dtype)
+        int8 = cache_dtype == torch.int8 and decode_supports_int8(dtype)  # codes and a scale a row
+        return one_byte or int8 or super().reads_cache_dtype(cache_dtype, dtype)
 
     def prefill_rows_independent(self, dtype: torch.dtype) -> bool:
         # The kernel attends each query row over the same key tiles in the same order, whatever the

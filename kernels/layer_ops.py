@@ -17,7 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from .attention import ONE_BYTE_DTYPES
+from .attention import ONE_BYTE_DTYPES, cache_head_dim
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class TorchLayerOps:
     f32_gemm_preferred = False  # and the engine's default there (EngineConfig.cpu_f32_gemm None)
     gemm_max_rows: int | None = 0  # the most rows the model hands gemm_linear (None: any number)
     runs_decoder_layers = False  # CpuLayerOps: decoder_layers, a stack of Llama layers in one C++ call
-    reads_one_byte_cache = False  # CpuLayerOps: its K/V writers take one-byte caches (bf16 or float32 rows)
+    reads_one_byte_cache = False  # CpuLayerOps: its K/V writers take one-byte and int8 caches (bf16 or float32 rows)
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
@@ -151,12 +151,12 @@ class CpuLayerOps(TorchLayerOps):
         # One pass instead of rotary(q), rotary(k) and reshape_and_cache: no k temporary, one
         # parallel region instead of three (~90 -> ~50 us a layer in a 256-sequence decode step).
         positions, cos_table, sin_table, _ = rope
-        one_byte = key_cache.dtype in ONE_BYTE_DTYPES and qkv.dtype in (torch.bfloat16, torch.float32)  # codes
+        one_byte = key_cache.dtype in (*ONE_BYTE_DTYPES, torch.int8) and qkv.dtype in (torch.bfloat16, torch.float32)
         if (qkv.dtype not in self._DTYPES or qkv.dim() != 2 or qkv.stride(-1) != 1
                 or not (key_cache.dtype == qkv.dtype or one_byte) or key_cache.device.type != "cpu" or not key_cache.is_contiguous()
                 or not value_cache.is_contiguous() or slot_mapping.dtype != torch.int64):
             return None
-        q = torch.empty((qkv.shape[0], num_heads, key_cache.shape[-1]), dtype=qkv.dtype)
+        q = torch.empty((qkv.shape[0], num_heads, cache_head_dim(key_cache)), dtype=qkv.dtype)
         self._rotary_qkv_to_cache(qkv, positions, cos_table, sin_table, q, key_cache, value_cache,
                                   slot_mapping.contiguous())
         return q
@@ -254,7 +254,7 @@ class CpuLayerOps(TorchLayerOps):
     def gemm_linear_rotary_qkv_to_cache(self, x, packed, rope, num_heads, key_cache, value_cache, slot_mapping):
         """rotary_qkv_to_cache(x @ qkv.T, ...) in one pass (head_dim 64): returns rotary(q) [M, H, 64]."""
         positions, cos_table, sin_table, _ = rope
-        q = torch.empty((x.shape[0], num_heads, key_cache.shape[-1]), dtype=gemm_dtype(x, packed))
+        q = torch.empty((x.shape[0], num_heads, cache_head_dim(key_cache)), dtype=gemm_dtype(x, packed))
         self._gemm_linear_rotary_to_cache(x, packed, positions, cos_table, sin_table, q, key_cache, value_cache,
                                          slot_mapping.contiguous())
         return q

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from pagoda_kernels.attention import AttentionMetadata, TorchAttention, write_kv
+from pagoda_kernels.attention import (INT8_ROW_SCALE_BYTES, AttentionMetadata, TorchAttention,
+                                     dequantize_int8_rows, quantize_int8_rows, write_kv)
 from pagoda_kernels.cpu_attention import (CpuAttention, build_cpu_flags, decode_f8_flushes_subnormals,
-                                          decode_supports_f8, load_extension,
+                                          decode_supports_f8, decode_supports_int8, load_extension,
                                           paged_decode_attention, paged_prefill_attention, prefill_supported)
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
@@ -322,6 +323,123 @@ def test_one_byte_cache_arguments(op, f8):
             call(q, kc8, vc)
         with pytest.raises(RuntimeError, match="key_cache and value_cache must share a dtype"):
             call(q, kc8, other)
+
+
+def int8_cache(cache: torch.Tensor) -> torch.Tensor:
+    """A cache of values [..., D] as an int8 cache [..., D + 4] (codes and a scale a row); rows
+    holding NaN (make_inputs' poisoned slots) get a NaN scale, so a read of one still shows."""
+    rows = quantize_int8_rows(cache)
+    poisoned = cache.isnan().any(-1)
+    rows[..., -INT8_ROW_SCALE_BYTES:][poisoned] = torch.tensor([float("nan")]).view(torch.int8)
+    return rows
+
+
+@pytest.mark.parametrize("h,kvh,d", F8_SHAPES, ids=[f"{h}x{kvh}x{d}" for h, kvh, d in F8_SHAPES])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_int8_cache_decode_matches_the_reference_on_its_values(op, h, kvh, d, num_threads):
+    """bf16 queries on an int8 cache (each (token, kv head) row: head_dim codes and a float32 scale,
+    its largest magnitude / 127): the output is softmax(q k^T) v on the rows' values (codes x scale)
+    within bf16's tolerance, on every span path (SmolLM2's paired tokens, one token a vector, head_dim
+    128 and 80 with its half-width chunk, more query heads than a pass), split contexts and the
+    poisoned slots; a speculative step's grouped rows give each row's own bits. Builds without
+    AVX512-BF16 refuse such a cache."""
+    q, kc, vc, bt, sl = make_inputs(LENS + [3000, 0, 1500], h, kvh, d, 16, torch.bfloat16, seed=h + d)
+    kc8, vc8 = int8_cache(kc), int8_cache(vc)
+    out = torch.empty_like(q)
+    if not decode_supports_int8(torch.bfloat16):
+        with pytest.raises(RuntimeError, match="an int8 cache takes bfloat16 q on a CPU with AVX512-BF16"):
+            op(q, kc8, vc8, bt, sl, 0.125, out, num_threads)
+        return
+    op(q, kc8, vc8, bt, sl, 0.125, out, num_threads)
+    assert not out.isnan().any()
+    want = reference(q, dequantize_int8_rows(kc8), dequantize_int8_rows(vc8), bt, sl, 0.125)
+    torch.testing.assert_close(out.double(), want, **TOL[torch.bfloat16])
+    qs, kcs, vcs, bts, sls = speculative_rows([1, 30, 63, 100], 3, 16, torch.bfloat16, seed=d)
+    kcs8, vcs8 = int8_cache(kcs), int8_cache(vcs)
+    grouped, alone = torch.empty_like(qs), torch.empty_like(qs)
+    op(qs, kcs8, vcs8, bts, sls, 0.125, grouped, num_threads)
+    for i in range(qs.shape[0]):
+        op(qs[i:i + 1], kcs8, vcs8, bts[i:i + 1], sls[i:i + 1], 0.125, alone[i:i + 1], num_threads)
+    assert torch.equal(grouped, alone)
+    torch.testing.assert_close(grouped.double(), reference(qs, dequantize_int8_rows(kcs8), dequantize_int8_rows(vcs8),
+                                                           bts, sls, 0.125), **TOL[torch.bfloat16])
+
+
+def test_int8_cache_scales_reach_scores_and_values(op):
+    """Rows of one sequence whose K and V are the same values at scales 2^-4 .. 2^4 apart (as a
+    model's K/V grow and shrink token to token): each token's K scale must multiply its score and
+    its V scale its value, or the softmax picks other tokens and the output lands elsewhere."""
+    if not decode_supports_int8(torch.bfloat16):
+        pytest.skip("this build has no AVX512-BF16: the refusal is checked above")
+    g = torch.Generator().manual_seed(5)
+    n, kvh, d, bs = 96, 3, 64, 16
+    base_k = torch.randn(n, kvh, d, generator=g)
+    base_v = torch.randn(n, kvh, d, generator=g)
+    mag = 2.0 ** torch.randint(-4, 5, (n, kvh, 1), generator=g)
+    kc = (base_k * mag).to(torch.bfloat16).view(n // bs, bs, kvh, d)
+    vc = (base_v * mag.flip(0)).to(torch.bfloat16).view(n // bs, bs, kvh, d)
+    q = (torch.randn(1, 9, d, generator=g) * 2).to(torch.bfloat16)
+    bt = torch.arange(n // bs, dtype=torch.int32).view(1, -1)
+    sl = torch.tensor([n], dtype=torch.int32)
+    out = torch.empty_like(q)
+    kc8, vc8 = int8_cache(kc), int8_cache(vc)
+    op(q, kc8, vc8, bt, sl, 0.125, out, 1)
+    torch.testing.assert_close(out.double(), reference(q, dequantize_int8_rows(kc8), dequantize_int8_rows(vc8), bt, sl,
+                                                       0.125), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_int8_cache_writer_stores_the_reference_bytes(dtype):
+    """reshape_and_cache into an int8 cache writes each row's codes and scale exactly as
+    quantize_int8_rows does (ties to even, a zero row, a row with a NaN, large and tiny values), from
+    a strided value view, and touches no other slot; the rows' values are the inputs within half a
+    code step."""
+    load_extension()
+    g = torch.Generator().manual_seed(3)
+    kvh, d, nb, bs, t = 3, 64, 20, 16, 50
+    qkv = (torch.randn(t, 9 * d + 2 * kvh * d, generator=g) * 3).to(dtype)
+    key = qkv[:, 9 * d:(9 + kvh) * d].reshape(t, kvh, d).contiguous()
+    value = qkv[:, (9 + kvh) * d:].view(t, kvh, d)
+    key[0] = 0
+    key[1, 0, 5] = float("nan")
+    key[2, 1] *= 1e30 if dtype == torch.float32 else 1e20
+    key[3, 2] *= 1e-30
+    key[4, 0, :4] = torch.tensor([63.5, -0.5, 2.5, 127.0]).to(dtype)  # ties at amax 127: nearest even
+    key[4, 0, 4:] = 0
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    kc = torch.randint(-128, 128, (nb, bs, kvh, d + INT8_ROW_SCALE_BYTES), generator=g, dtype=torch.int8)
+    vc = kc.clone()
+    before = kc.clone()
+    torch.ops.pagoda_cpu.reshape_and_cache(key, value, kc, vc, slots)
+    flat_k, flat_v = kc.view(-1, kvh, d + 4), vc.view(-1, kvh, d + 4)
+    assert torch.equal(flat_k[slots], quantize_int8_rows(key))
+    assert torch.equal(flat_v[slots], quantize_int8_rows(value))
+    assert torch.equal(flat_k[slots[4], 0, :4], torch.tensor([64, 0, 2, 127], dtype=torch.int8))
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(kc.view(-1, kvh, d + 4)[untouched], before.view(-1, kvh, d + 4)[untouched])
+    values = dequantize_int8_rows(flat_v[slots])
+    step = value.float().abs().amax(-1, keepdim=True) / 127
+    assert ((values - value.float()).abs() <= step * (0.5 + 1e-4)).all()  # (float32 rounding of x / scale)
+
+
+def test_int8_cache_arguments(op):
+    """An int8 cache's last dim is head_dim + 4 (codes and a scale) and it takes bf16 queries; the
+    writer and the kernels say so."""
+    load_extension()
+    q, kc, vc, bt, sl = make_inputs([20, 3], 9, 3, 64, 16, torch.bfloat16, seed=2)
+    kc8, vc8 = int8_cache(kc), int8_cache(vc)
+    if decode_supports_int8(torch.bfloat16):
+        with pytest.raises(RuntimeError, match="an int8 cache's rows are head_dim \\(64\\) codes and a float32 "
+                                               "scale: last dim 68, got 64"):
+            paged_decode_attention(q, kc8[..., :64].contiguous(), vc8[..., :64].contiguous(), bt, sl, 0.125)
+    with pytest.raises(RuntimeError, match="an int8 cache takes bfloat16 q"):
+        paged_decode_attention(q.float(), kc8, vc8, bt, sl, 0.125)
+    with pytest.raises(RuntimeError, match="an int8 cache takes bfloat16 q"):
+        paged_prefill_attention(q.float(), kc8, vc8, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 0.125)
+    with pytest.raises(RuntimeError, match="key / value must be"):
+        torch.ops.pagoda_cpu.reshape_and_cache(kc[:2, 0], kc[:2, 0], kc8[..., :60].contiguous(),
+                                               vc8[..., :60].contiguous(), torch.tensor([0, 1]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -662,4 +780,26 @@ def test_one_byte_cache_prefill_gives_the_bits_of_a_cache_of_its_values(prefill_
             prefill_op(q, kc8, vc8, bt, qs, sl, 0.125, out, threads)
             want = check_prefill(q, f8_values(kc8, dtype), f8_values(vc8, dtype), bt, qs, sl, 0.125,
                                  op=prefill_op, num_threads=threads)
+            assert torch.equal(out, want)
+
+
+@needs_prefill
+def test_int8_cache_prefill_gives_the_bits_of_a_cache_of_its_values(prefill_op):
+    """The prefill kernel on int8 caches (each key tile's rows turned into bf16(code x scale) first)
+    gives bitwise what it gives on bf16 caches holding those values: on AMX tiles and on vectors,
+    chunks with and without cached context, the poisoned slots a wrong read would bring in. Builds
+    without AVX512-BF16 refuse them."""
+    chunks = PREFILL_CHUNKS + [(300, 90)]
+    q, kc, vc, bt, qs, sl = make_prefill_inputs(chunks, 9, 3, 64, 16, torch.bfloat16, seed=5)
+    kc8, vc8 = int8_cache(kc), int8_cache(vc)
+    out = torch.empty_like(q)
+    if not decode_supports_int8(torch.bfloat16):
+        with pytest.raises(RuntimeError, match="an int8 cache takes bfloat16 q on a CPU with AVX512-BF16"):
+            prefill_op(q, kc8, vc8, bt, qs, sl, 0.125, out, 2)
+        return
+    values = dequantize_int8_rows(kc8).to(torch.bfloat16), dequantize_int8_rows(vc8).to(torch.bfloat16)
+    for _ in each_prefill_variant():
+        for threads in (1, 2):
+            prefill_op(q, kc8, vc8, bt, qs, sl, 0.125, out, threads)
+            want = check_prefill(q, *values, bt, qs, sl, 0.125, op=prefill_op, num_threads=threads)
             assert torch.equal(out, want)

@@ -789,15 +789,18 @@ def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir
 
 def test_kv_cache_dtype_is_checked_naming_the_option():
     """vLLM's kv_cache_dtype: 'auto', or one byte a value: 'fp8' and 'fp8_e4m3' (float8_e4m3fn) or
-    'fp8_e5m2'; other names are refused, and so is a one-byte cache for a float16 model or off the
-    CPU."""
+    'fp8_e5m2', or 'int8' (codes and a scale a row, bf16 models); other names are refused, and so is
+    a one-byte cache for a float16 model or off the CPU."""
     assert EngineConfig().torch_kv_cache_dtype == torch.bfloat16
     assert EngineConfig(kv_cache_dtype="fp8_e5m2").torch_kv_cache_dtype == torch.float8_e5m2
     assert EngineConfig(kv_cache_dtype="fp8").torch_kv_cache_dtype == torch.float8_e4m3fn
     assert EngineConfig(kv_cache_dtype="fp8_e4m3").torch_kv_cache_dtype == torch.float8_e4m3fn
-    for bad in ("fp8_e4m3fn", "int8", "bfloat16"):
+    assert EngineConfig(kv_cache_dtype="int8").torch_kv_cache_dtype == torch.int8
+    for bad in ("fp8_e4m3fn", "uint8", "bfloat16"):
         with pytest.raises(ValueError, match=r"kv_cache_dtype must be 'auto' \(the model dtype\) or one of"):
             EngineConfig(kv_cache_dtype=bad)
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs dtype 'bfloat16'"):
+        EngineConfig(kv_cache_dtype="int8", dtype="float32")
     assert EngineConfig(kv_cache_dtype="fp8_e5m2", dtype="float32").torch_kv_cache_dtype == torch.float8_e5m2
     with pytest.raises(ValueError, match="needs device 'cpu' and dtype 'bfloat16' or 'float32'"):
         EngineConfig(kv_cache_dtype="fp8_e5m2", dtype="float16")
@@ -877,22 +880,64 @@ def test_one_byte_kv_cache_for_a_float32_model(bundled_dir, prompts, kv_cache_dt
                                   prompts, 4, f8)
 
 
-def test_one_byte_kv_cache_swaps_out_and_back_as_its_codes(bundled_dir, prompts):
-    """With preemption_mode="swap" a one-byte cache's blocks go to host memory and back as their
-    codes (the swap space in the cache's dtype): a pool of 5 blocks preempts the batch many times,
-    and every request's greedy tokens are what it gets alone. (Recompute regenerates K/V through the
-    prefill kernel, whose bits differ from decode's now and then, and a one-byte code can round the
-    other way: such a request may continue differently, as with any lossy cache.)"""
-    from pagoda_kernels.cpu_attention import decode_supports_f8
+def test_int8_kv_cache_holds_its_rows_codes_and_scales_and_each_rows_own_tokens(bundled_dir, prompts):
+    """kv_cache_dtype "int8": each (token, kv head) row as 64 int8 codes and a float32 scale (68 bytes
+    against bf16's 128: that many more blocks a budget holds); after a prefill its layer-0 rows are
+    bitwise quantize_int8_rows of a bf16 engine's K/V, through the engine's own writers (the QKV
+    GEMM's epilogue in the one-call layer stack); a request's greedy tokens are the same alone as in
+    a batch with chunked prefill beside decodes and with prompt-lookup drafts. Where the CPU has no
+    AVX512-BF16 the engine refuses it, naming the option."""
+    from pagoda_kernels.attention import quantize_int8_rows
+    from pagoda_kernels.cpu_attention import decode_supports_int8
 
-    opts = dict(kv_cache_dtype="fp8_e5m2", max_model_len=256, max_num_batched_tokens=64, seed=0)
-    block = 2 * 30 * 64 * 3 * 64  # bytes of one block of the bundled model's codes
-    if not decode_supports_f8():
-        with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' needs"):
+    opts = dict(kv_cache_memory_bytes=64 << 20, max_model_len=1024, enable_prefix_caching=False, seed=0)
+    if not decode_supports_int8():
+        with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs Pagoda's C\\+\\+ attention"):
+            LLM(bundled_dir, kv_cache_dtype="int8", **opts)
+        return
+    i8 = LLM(bundled_dir, kv_cache_dtype="int8", max_num_batched_tokens=48, **opts)
+    ref = LLM(bundled_dir, max_num_batched_tokens=48, **opts)
+    r8, rr = i8.llm_engine.runner, ref.llm_engine.runner
+    assert r8.model.layer_stack is not None and r8.kv_cache.dtype == torch.int8 and r8.kv_cache.shape[-1] == 68
+    assert i8.llm_engine.config.num_kv_blocks == (64 << 20) // (2 * 30 * 64 * 3 * 68)
+    assert ref.llm_engine.config.num_kv_blocks == (64 << 20) // (2 * 30 * 64 * 3 * 128)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    for llm in (i8, ref):
+        llm.generate({"prompt_token_ids": prompts[0] * 2}, one, use_tqdm=False)
+    n = rr.kv_cache.shape[2]
+    written = rr.kv_cache[0].ne(0).any(-1)  # [2, n, block_size, kv_heads]: the slots the prefill wrote
+    got = r8.kv_cache[0, :, :n]
+    assert written.sum() >= 2 * 2 * len(prompts[0]) * 3
+    assert torch.equal(got[written], quantize_int8_rows(rr.kv_cache[0][written]))
+    assert not got[~written].any()
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts[:5]]
+    together = [o.outputs[0].token_ids for o in i8.generate(batch, greedy, use_tqdm=False)]
+    alone = [i8.generate(b, greedy, use_tqdm=False)[0].outputs[0].token_ids for b in batch]
+    assert together == alone and all(len(t) == 10 for t in together)
+    drafted = LLM(bundled_dir, kv_cache_dtype="int8", num_speculative_tokens=3, **opts)
+    assert [o.outputs[0].token_ids for o in drafted.generate(batch, greedy, use_tqdm=False)] == together
+
+
+@pytest.mark.parametrize("kv_cache_dtype,cache_dtype,row", [("fp8_e5m2", torch.float8_e5m2, 64),
+                                                             ("int8", torch.int8, 68)], ids=["e5m2", "int8"])
+def test_one_byte_kv_cache_swaps_out_and_back_as_its_codes(bundled_dir, prompts, kv_cache_dtype, cache_dtype, row):
+    """With preemption_mode="swap" a one-byte cache's blocks go to host memory and back as their
+    codes (the swap space in the cache's dtype; an int8 cache's rows with their scales): a pool of 5
+    blocks preempts the batch many times, and every request's greedy tokens are what it gets alone.
+    (Recompute regenerates K/V through the prefill kernel, whose bits differ from decode's now and
+    then, and a one-byte code can round the other way: such a request may continue differently, as
+    with any lossy cache.)"""
+    from pagoda_kernels.cpu_attention import decode_supports_f8, decode_supports_int8
+
+    opts = dict(kv_cache_dtype=kv_cache_dtype, max_model_len=256, max_num_batched_tokens=64, seed=0)
+    block = 2 * 30 * 64 * 3 * row  # bytes of one block of the bundled model's codes
+    if not (decode_supports_int8() if cache_dtype == torch.int8 else decode_supports_f8()):
+        with pytest.raises(ValueError, match=f"kv_cache_dtype '{kv_cache_dtype}' needs"):
             LLM(bundled_dir, preemption_mode="swap", kv_cache_memory_bytes=5 * block, **opts)
         return
     swapping = LLM(bundled_dir, preemption_mode="swap", kv_cache_memory_bytes=5 * block, **opts)
-    assert swapping.llm_engine.runner.swap_cache.dtype == torch.float8_e5m2
+    assert swapping.llm_engine.runner.swap_cache.dtype == cache_dtype
     greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     batch = [{"prompt_token_ids": p[:70]} for p in prompts[:4]]
     got = [o.outputs[0].token_ids for o in swapping.generate(batch, greedy, use_tqdm=False)]

@@ -477,6 +477,28 @@ inline void f8_row(const S* src, uint8_t* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = K::scalar(load(src[i]));
 }
 
+// One (token, kv head) row of dim values into an int8 cache's row (pagoda_cpu.h, i8s_t): dim codes
+// round(x * (127 / amax)) (nearest even; amax the row's largest magnitude), then the float32 scale
+// amax / 127; a row of zeros (or a NaN amax) gets scale 1 and codes round(x), NaN values code 0.
+// kernels/attention.py's quantize_int8_rows gives the same bytes.
+template <typename S>
+inline void i8_row(const S* src, int8_t* dst, int64_t dim) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t i = 0; i < dim; ++i) {
+    const float a = std::fabs(load(src[i]));
+    nan |= a != a;
+    amax = std::max(amax, a);
+  }
+  const bool pos = !nan && amax > 0.f;
+  const float scale = pos ? amax / 127.f : 1.f, inv = pos ? 127.f / amax : 1.f;
+  for (int64_t i = 0; i < dim; ++i) {
+    const float v = load(src[i]) * inv;
+    dst[i] = static_cast<int8_t>(v != v ? 0.f : std::nearbyint(std::clamp(v, -127.f, 127.f)));
+  }
+  std::memcpy(dst + dim, &scale, sizeof scale);
+}
+
 // A K/V row (kv_heads x dim, T) into its cache slot: copied, or as one-byte codes (C = f8e5m2_t or
 // f8e4m3_t).
 template <typename T, typename C>
@@ -489,17 +511,52 @@ inline void cache_row(const T* row, C* slot, int64_t n) {
   }
 }
 
+// Elements between a cache's consecutive kv-head rows: dim, and an int8 cache's scale after each.
+template <typename C>
+constexpr int64_t cache_head_stride(int64_t dim) {
+  return dim + (pagoda::f8_kind<C>() == pagoda::kI8 ? pagoda::kRowScaleBytes : 0);
+}
+
+// One kv head's row of dim values into a cache of C at (slot, head h): copied, as one-byte codes,
+// or as int8 codes and their scale.
+template <typename T, typename C>
+inline void cache_head(const T* row, C* cache, int64_t slot, int64_t h, int64_t kv_heads, int64_t dim) {
+  C* at = cache + (slot * kv_heads + h) * cache_head_stride<C>(dim);
+  if constexpr (pagoda::f8_kind<C>() == pagoda::kI8)
+    i8_row(row, reinterpret_cast<int8_t*>(at), dim);
+  else
+    cache_row(row, at, dim);
+}
+
+// A token's row (kv_heads x dim) into its slot of a cache of C.
+template <typename T, typename C>
+inline void cache_token(const T* row, C* cache, int64_t slot, int64_t kv_heads, int64_t dim) {
+  if constexpr (pagoda::f8_kind<C>() == pagoda::kI8) {
+    for (int64_t h = 0; h < kv_heads; ++h) cache_head(row + h * dim, cache, slot, h, kv_heads, dim);
+  } else {
+    cache_row(row, cache + slot * kv_heads * dim, kv_heads * dim);
+  }
+}
+
 // Whether a cache of this dtype takes rows of T's: the same dtype, or bf16 or float32 rows in a
-// one-byte cache.
+// one-byte or int8 cache.
 inline bool cache_takes(at::ScalarType cache, at::ScalarType rows) {
-  return cache == rows || (pagoda::one_byte_dtype(cache) && (rows == at::kBFloat16 || rows == at::kFloat));
+  return cache == rows || ((pagoda::one_byte_dtype(cache) || cache == at::kChar) &&
+                           (rows == at::kBFloat16 || rows == at::kFloat));
+}
+
+// A cache's head_dim: its last dim, less an int8 cache's scale bytes.
+inline int64_t cache_head_dim(const at::Tensor& cache) {
+  return cache.size(-1) - (cache.scalar_type() == at::kChar ? pagoda::kRowScaleBytes : 0);
 }
 
 // Calls f with null pointers of the row type E (at::kBFloat16 rows: bf16_t) and of the cache's
 // element: E's own, or a one-byte cache's code type.
 template <typename E, typename F>
 void with_cache_element(at::ScalarType cache, F&& f) {
-  if (pagoda::one_byte_dtype(cache))
+  if (cache == at::kChar)
+    f(static_cast<E*>(nullptr), static_cast<pagoda::i8s_t*>(nullptr));
+  else if (pagoda::one_byte_dtype(cache))
     pagoda::with_f8_element(cache, [&](auto* c) { f(static_cast<E*>(nullptr), c); });
   else
     f(static_cast<E*>(nullptr), static_cast<E*>(nullptr));
@@ -529,9 +586,9 @@ void rotary_qkv_cache_impl(const T* qkv, int64_t qkv_stride, T* q_out, C* key_ca
         thread_local std::vector<T> k;
         k.resize(kv_row);
         rot.apply(x + heads * dim, k.data(), kv_heads);
-        cache_row(k.data(), key_cache + slots[r] * kv_row, kv_row);
+        cache_token(k.data(), key_cache, slots[r], kv_heads, dim);
       }
-      cache_row(x + (heads + kv_heads) * dim, value_cache + slots[r] * kv_row, kv_row);
+      cache_token(x + (heads + kv_heads) * dim, value_cache, slots[r], kv_heads, dim);
     }
   }
 }
@@ -624,13 +681,14 @@ void rotary_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& positions, con
   const int64_t rows = q_out.size(0), heads = q_out.size(1), dim = q_out.size(2);
   TORCH_CHECK(dim % 2 == 0, "head_dim must be even");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                  value_cache.sizes() == key_cache.sizes() && key_cache.size(3) == dim,
-              "caches must be contiguous [num_blocks, block_size, kv_heads, ", dim, "] alike");
+                  value_cache.sizes() == key_cache.sizes() && cache_head_dim(key_cache) == dim,
+              "caches must be contiguous [num_blocks, block_size, kv_heads, ", dim, "] alike (", dim + 4,
+              " for int8 caches: codes and a scale a row)");
   const int64_t kv_heads = key_cache.size(2), num_slots = key_cache.size(0) * key_cache.size(1);
   check_rows(qkv, "qkv", rows, (heads + 2 * kv_heads) * dim);
   TORCH_CHECK(qkv.scalar_type() == q_out.scalar_type() && cache_takes(key_cache.scalar_type(), qkv.scalar_type()) &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
-              "qkv, q_out and the caches must share a dtype (or one-byte caches: float8_e5m2, float8_e4m3fn)");
+              "qkv, q_out and the caches must share a dtype (or one-byte caches: float8_e5m2, float8_e4m3fn; or int8)");
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong &&
                   positions.is_contiguous(), "positions must be int64 [", rows, "]");
   TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
@@ -768,14 +826,19 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                        const at::Tensor& slot_mapping) {
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   value_cache.sizes() == key_cache.sizes(), "caches must be contiguous [num_blocks, block_size, kv_heads, D] alike");
-  const int64_t kvh = key_cache.size(2), dim = key_cache.size(3), num_slots = key_cache.size(0) * key_cache.size(1);
+  // An int8 cache's rows: D codes and a float32 scale (pagoda_cpu.h, i8s_t).
+  const bool i8 = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(!i8 || key_cache.size(3) > pagoda::kRowScaleBytes, "an int8 cache's last dim is head_dim + ",
+              pagoda::kRowScaleBytes, ", got ", key_cache.size(3));
+  const int64_t kvh = key_cache.size(2), dim = key_cache.size(3) - (i8 ? pagoda::kRowScaleBytes : 0),
+                num_slots = key_cache.size(0) * key_cache.size(1);
   const int64_t rows = key.size(0), row = kvh * dim;
   for (const at::Tensor* t : {&key, &value}) {
     TORCH_CHECK(t->dim() == 3 && t->size(0) == rows && t->size(1) == kvh && t->size(2) == dim && t->stride(2) == 1 &&
                     t->stride(1) == dim, "key / value must be [T, ", kvh, ", ", dim, "] with contiguous heads, got ",
                 t->sizes(), " strides ", t->strides());
     TORCH_CHECK(cache_takes(key_cache.scalar_type(), t->scalar_type()),
-                "key / value must have the caches' dtype (or be bf16 or float32 for one-byte caches)");
+                "key / value must have the caches' dtype (or be bf16 or float32 for one-byte caches, and for int8 ones)");
   }
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "caches must share a dtype");
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value must share a dtype");
@@ -784,7 +847,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "slot ", slots[r], " outside the cache [0, ", num_slots, ")");
-  if (key_cache.scalar_type() != key.scalar_type()) {  // bf16 or float32 rows, one-byte codes
+  if (key_cache.scalar_type() != key.scalar_type()) {  // bf16 or float32 rows, one-byte or int8 codes
     const auto codes = [&](auto* e, auto* c) {
       using E = std::remove_pointer_t<decltype(e)>;
       using C = std::remove_pointer_t<decltype(c)>;
@@ -794,8 +857,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
       auto* vc = static_cast<C*>(value_cache.data_ptr());
 #pragma omp parallel for schedule(static) num_threads(threads_for(rows * row * 2))
       for (int64_t r = 0; r < rows; ++r) {
-        cache_row(k + r * key.stride(0), kc + slots[r] * row, row);
-        cache_row(v + r * value.stride(0), vc + slots[r] * row, row);
+        cache_token(k + r * key.stride(0), kc, slots[r], kvh, dim);
+        cache_token(v + r * value.stride(0), vc, slots[r], kvh, dim);
       }
     };
     if (key.scalar_type() == at::kFloat)
@@ -2367,7 +2430,7 @@ void rotary_to_cache_rows(int64_t r0, int64_t rows, int64_t h, const float* c, T
     if (kv && r >= cached) continue;  // GEMM padding rows: q only
     to_row(c + i * kGemmBlockN, row);
     if (h >= heads + kv_heads) {
-      cache_row(row, vc + slots[r] * kv_row + (h - heads - kv_heads) * dim, dim);
+      cache_head(row, vc, slots[r], h - heads - kv_heads, kv_heads, dim);
       continue;
     }
     const RowRotator<T> rot(ct + pos[r] * dim, st + pos[r] * dim, dim);
@@ -2378,7 +2441,7 @@ void rotary_to_cache_rows(int64_t r0, int64_t rows, int64_t h, const float* c, T
     } else {
       alignas(64) T k[kGemmBlockN];
       rot.apply(row, k, 1);
-      cache_row(k, kc + slots[r] * kv_row + (h - heads) * dim, dim);
+      cache_head(k, kc, slots[r], h - heads, kv_heads, dim);
     }
   }
 }
@@ -2392,11 +2455,11 @@ void gemm_linear_rotary_to_cache(const at::Tensor& x, const at::Tensor& packed, 
   check_gemm(x, packed, "gemm_linear_rotary_to_cache");
   const int64_t m = x.size(0), heads = q_out.size(1), dim = kGemmBlockN;
   const auto dtype = bf16_model(x, packed) ? at::kBFloat16 : at::kFloat;  // of q_out and the caches
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(3) == dim && key_cache.is_contiguous() &&
+  TORCH_CHECK(key_cache.dim() == 4 && cache_head_dim(key_cache) == dim && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes() &&
                   cache_takes(key_cache.scalar_type(), dtype) && value_cache.scalar_type() == key_cache.scalar_type(),
               "caches must be contiguous [num_blocks, block_size, kv_heads, 64] alike, in the model dtype (or "
-              "float8_e5m2 / float8_e4m3fn)");
+              "float8_e5m2 / float8_e4m3fn; or int8 [..., 68]: codes and a scale a row)");
   const int64_t kv_heads = key_cache.size(2);
   TORCH_CHECK(packed.size(0) == heads + 2 * kv_heads, "packed must hold ", heads + 2 * kv_heads, " head blocks");
   TORCH_CHECK(q_out.dim() == 3 && q_out.size(0) == m && q_out.size(2) == dim && q_out.is_contiguous() &&
@@ -2509,7 +2572,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
               ", ", tr, " cached rows and ", t, " rows are inconsistent");
   at::Tensor residual = residual_in ? *residual_in : h;
   if (layers == 0) return {h, residual};
-  const int64_t head_dim = kv_caches[0].size(-1);
+  const int64_t head_dim = cache_head_dim(kv_caches[0]);
   const bool gemm_rows = gemm_max_rows < 0 || t <= gemm_max_rows;
   const int threads = at::get_num_threads();
   // A bf16 model whose QKV, gate/up and down weights are bf16 on the float32 kernel: the RMSNorm and

@@ -96,6 +96,8 @@ using pagoda::f8e5m2_t;
 using pagoda::f8_kind;
 using pagoda::kE4M3;
 using pagoda::kE5M2;
+using pagoda::i8s_t;
+using pagoda::kI8;
 using pagoda::kNoF8;
 using pagoda::one_byte_dtype;
 using pagoda::with_f8_element;
@@ -468,50 +470,73 @@ PAGODA_INLINE __m512i f8_permute(const F8Index& idx, __m512i codes) {
 #else
 #define PAGODA_F8_VBMI 0
 #endif
+// int8 codes (kI8) as bf16 words of their values, exactly (|code| <= 127 needs 7 bits): widened to
+// int32, converted to float32 and rounded to bf16 (exact). 16 codes -> 16 floats:
+PAGODA_INLINE __m512 i8_values16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 // 32 codes -> 32 words.
 template <int F8>
 PAGODA_INLINE __m512i f8_load32(const uint8_t* p) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (F8 == kI8) {
+    return (__m512i)_mm512_cvtne2ps_pbh(i8_values16(p + 16), i8_values16(p));
+  } else {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 #if PAGODA_F8_VBMI
-  return f8_permute<F8>(kF8Plain, _mm512_castsi256_si512(b));
+    return f8_permute<F8>(kF8Plain, _mm512_castsi256_si512(b));
 #else
-  return f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
+    return f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
 #endif
+  }
 }
 // 16 codes at p0 and 16 at p1 -> 16 words each, in the low and the high half.
 template <int F8>
 PAGODA_INLINE __m512i f8_load16x2(const uint8_t* p0, const uint8_t* p1) {
-  const __m256i b = _mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
+  if constexpr (F8 == kI8) {
+    return (__m512i)_mm512_cvtne2ps_pbh(i8_values16(p1), i8_values16(p0));
+  } else {
+    const __m256i b = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
 #if PAGODA_F8_VBMI
-  return f8_permute<F8>(kF8Plain, _mm512_castsi256_si512(b));
+    return f8_permute<F8>(kF8Plain, _mm512_castsi256_si512(b));
 #else
-  return f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
+    return f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
 #endif
+  }
 }
 // 32 codes of token a and 32 of token b (pb null: zeros) -> the words unpacklo_epi16 /
 // unpackhi_epi16 of their f8_load32 words give, straight from the codes where vpermb is there.
 template <int F8>
 PAGODA_INLINE void f8_load32_interleaved(const uint8_t* pa, const uint8_t* pb, __m512i& lo, __m512i& hi) {
-  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pa));
-  const __m256i b = pb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)) : _mm256_setzero_si256();
+  if constexpr (F8 == kI8) {
+    const __m512i wa = f8_load32<F8>(pa);
+    const __m512i wb = pb ? f8_load32<F8>(pb) : _mm512_setzero_si512();
+    lo = _mm512_unpacklo_epi16(wa, wb);
+    hi = _mm512_unpackhi_epi16(wa, wb);
+  } else {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pa));
+    const __m256i b = pb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)) : _mm256_setzero_si256();
 #if PAGODA_F8_VBMI
-  const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-  lo = f8_permute<F8>(kF8Lo, ab);
-  hi = f8_permute<F8>(kF8Hi, ab);
+    const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+    lo = f8_permute<F8>(kF8Lo, ab);
+    hi = f8_permute<F8>(kF8Hi, ab);
 #else
-  const __m512i wa = f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(a), 8));
-  const __m512i wb = f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
-  lo = _mm512_unpacklo_epi16(wa, wb);
-  hi = _mm512_unpackhi_epi16(wa, wb);
+    const __m512i wa = f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(a), 8));
+    const __m512i wb = f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
+    lo = _mm512_unpacklo_epi16(wa, wb);
+    hi = _mm512_unpackhi_epi16(wa, wb);
 #endif
+  }
 }
 // 16 codes -> 16 words.
 template <int F8>
 PAGODA_INLINE __m256i f8_load16(const uint8_t* p) {
-  return f8_words<F8>(
-      _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8));
+  if constexpr (F8 == kI8)
+    return (__m256i)_mm512_cvtneps_pbh(i8_values16(p));
+  else
+    return f8_words<F8>(
+        _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8));
 }
 // n codes (a multiple of 16) -> the bf16 values they hold, subnormal codes as +0 (what the decode
 // kernel reads; infinities and NaNs as finite values): the prefill kernel's rows of a one-byte cache.
@@ -525,6 +550,16 @@ inline void f8_values_row(const CT* src, bf16_t* dst, int n) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
                         _mm256_maskz_add_epi16(normal, w, _mm256_set1_epi16(kF8ExpShift<F8> << 7)));
   }
+}
+// An int8 cache's row of n codes (a multiple of 16) and its scale -> bf16(code x scale): the prefill
+// kernel's rows (decode multiplies the scores and P by the scale in float32 instead, so the two
+// kernels' values differ by that rounding).
+inline void f8_values_row(const i8s_t* src, bf16_t* dst, int n) {
+  const __m512 scale = _mm512_set1_ps(pagoda::row_scale(src, n));
+  const auto* codes = reinterpret_cast<const uint8_t*>(src);
+  for (int i = 0; i < n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(i8_values16(codes + i), scale)));
 }
 // bf16 words with a nonzero exponent field times 2^112 (e5m2) or 2^120 (e4m3); subnormal words
 // (zero to vdpbf16ps) as they are. P lies in [0, 1], so its exponent field stays below 255.
@@ -843,6 +878,17 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
   for (int kh = 0; kh < (NKV ? NKV : A.nkv); ++kh) {
     alignas(64) uint16_t p16[NH][2 * kTile];
     float alpha[NH];
+    // int8 codes: each token's K scale multiplies its scores, its V scale its probability (before P
+    // is rounded to bf16); the softmax's sums take the probabilities unscaled.
+    alignas(64) float kscale[kSpan], vscale[kSpan];
+    if constexpr (F8 == kI8) {
+      const CE* const* krc = reinterpret_cast<const CE* const*>(A.krow);
+      for (int t = 0; t < n; ++t) {
+        kscale[t] = pagoda::row_scale(krc[t] + kh * A.ks2, D);
+        vscale[t] = pagoda::row_scale(vrow[t] + kh * A.vs2, D);
+      }
+      for (int t = n; t < kSpan; ++t) kscale[t] = vscale[t] = 0.f;
+    }
     for (int j = 0; j < NH; ++j) {
       const V16* tj = tmp + (kh * NH + j) * kSpan;
       V16 s[2];
@@ -853,10 +899,18 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
         s[0] = hsum16(tj);
         s[1] = n > kTile ? hsum16(tj + kTile) : vzero();
       }
+      if constexpr (F8 == kI8) {
+        s[0] = vmul(s[0], vload(kscale));
+        s[1] = vmul(s[1], vload(kscale + kTile));
+      }
       V16 e[2];
       alpha[j] = softmax_span(s, n, A.qscale, m[kh * g + j], lsum[kh * g + j], e);
+      if constexpr (F8 == kI8) {
+        e[0] = vmul(e[0], vload(vscale));
+        e[1] = vmul(e[1], vload(vscale + kTile));
+      }
       const __m512i pw = (__m512i)_mm512_cvtne2ps_pbh(e[1].v, e[0].v);
-      if constexpr (F8 != kNoF8)
+      if constexpr (pagoda::f8_codes(F8))
         _mm512_store_si512(p16[j], f8_scale_p<F8>(pw));
       else
         _mm512_store_si512(p16[j], pw);
@@ -1123,7 +1177,7 @@ bool run_item(const Params& P, const T* q, const C* kc, const C* vc, int b, int 
     const T* qb = q + (static_cast<int64_t>(b + r) * P.H + static_cast<int64_t>(kh0) * g) * D;
     qrows[r] = qb;  // queries in the storage type (for the bf16 dot-product path)
 #if PAGODA_DPBF16
-    if constexpr (F8 != kNoF8 && std::is_same_v<T, bf16_t>) {  // (float32 queries read the codes' values)
+    if constexpr (pagoda::f8_codes(F8) && std::is_same_v<T, bf16_t>) {  // (float32 queries read the codes' values)
       static_assert(acc_permuted<T>(), "vdpbf16ps reads a one-byte cache with bf16 queries");
       bf16_t* qs = reinterpret_cast<bf16_t*>(S[r].qf.data());  // H * D floats: room for H * D bf16
       for (int i = 0; i < nheads * D; ++i) qs[i] = f8_scale_query(qb[i]);
@@ -1433,20 +1487,28 @@ bool decode_supports_f8(at::ScalarType q) {
   return (q == at::kBFloat16 && (PAGODA_DPBF16 || PAGODA_AVX2)) || (q == at::kFloat && (PAGODA_AVX512 || PAGODA_AVX2));
 }
 bool decode_supports_f8_op(c10::ScalarType q) { return decode_supports_f8(q); }
+// Whether this build's decode and prefill kernels read an int8 cache (codes and a scale a row,
+// pagoda_cpu.h) with queries of this dtype: bf16 with vdpbf16ps.
+bool decode_supports_int8(c10::ScalarType q) { return q == at::kBFloat16 && PAGODA_DPBF16; }
 // Whether they read subnormal codes as zero with queries of this dtype (bf16 on vdpbf16ps builds),
 // rather than as their values.
 bool decode_f8_flushes_subnormals(c10::ScalarType q) { return q == at::kBFloat16 && PAGODA_DPBF16; }
 
 void check_paged_inputs(const char* name, const at::Tensor& q, const at::Tensor& key_cache,
                         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        bool one_byte_cache = false) {
+                        bool one_byte_cache = false, bool int8_cache = false) {
   TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(),
               name, ": CPU tensors expected");
   TORCH_CHECK(q.dim() == 3, name, ": q must be 3-d, got ", q.sizes());
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "key_cache / value_cache must be [num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), name, ": key_cache and value_cache must share a dtype");
-  if (one_byte_cache && one_byte_dtype(key_cache.scalar_type())) {
+  const bool i8 = int8_cache && key_cache.scalar_type() == at::kChar;
+  if (i8) {
+    TORCH_CHECK(decode_supports_int8(q.scalar_type()), name,
+                ": an int8 cache takes bfloat16 q on a CPU with AVX512-BF16, got ", q.scalar_type(),
+                PAGODA_DPBF16 ? "" : " (this build has no AVX512-BF16)");
+  } else if (one_byte_cache && one_byte_dtype(key_cache.scalar_type())) {
     const char* cache = key_cache.scalar_type() == at::kFloat8_e5m2 ? "float8_e5m2" : "float8_e4m3fn";
     TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, name, ": a ", cache,
                 " cache takes bfloat16 or float32 q, got ", q.scalar_type());
@@ -1463,7 +1525,12 @@ void check_paged_inputs(const char* name, const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
               "seq_lens must be a contiguous [B] int32 tensor");
   const int64_t H = q.size(1), D = q.size(2), kvh = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == D, "head_dim mismatch between q and the cache");
+  if (i8) {
+    TORCH_CHECK(key_cache.size(3) == D + pagoda::kRowScaleBytes, name, ": an int8 cache's rows are head_dim (", D,
+                ") codes and a float32 scale: last dim ", D + pagoda::kRowScaleBytes, ", got ", key_cache.size(3));
+  } else {
+    TORCH_CHECK(key_cache.size(3) == D, "head_dim mismatch between q and the cache");
+  }
   TORCH_CHECK(D % kTile == 0, "head_dim must be a multiple of ", kTile, ", got ", D);
   TORCH_CHECK(kvh > 0 && H % kvh == 0, "num q heads (", H, ") must be a multiple of num kv heads (", kvh, ")");
   TORCH_CHECK(block_tables.size(0) == seq_lens.size(0), "block_tables / seq_lens batch mismatch");
@@ -1490,7 +1557,7 @@ void check_block_ids(const at::Tensor& block_tables, const at::Tensor& seq_lens,
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                             at::Tensor& out, int64_t num_threads) {
-  check_paged_inputs("paged_decode_attention", q, key_cache, value_cache, block_tables, seq_lens, true);
+  check_paged_inputs("paged_decode_attention", q, key_cache, value_cache, block_tables, seq_lens, true, true);
   TORCH_CHECK(q.is_contiguous(), "q must be a contiguous [B, H, D] tensor");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
               "out must be contiguous, with q's shape and dtype");
@@ -1520,6 +1587,14 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
   P.qscale = static_cast<float>(scale) * kLog2e;
 
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
+  if (key_cache.scalar_type() == at::kChar) {  // bf16 q with vdpbf16ps (check_paged_inputs)
+#if PAGODA_DPBF16
+    decode_impl<bf16_t, i8s_t>(P, static_cast<const bf16_t*>(q.data_ptr()), static_cast<const i8s_t*>(key_cache.data_ptr()),
+                               static_cast<const i8s_t*>(value_cache.data_ptr()), static_cast<bf16_t*>(out.data_ptr()),
+                               nthreads);
+#endif
+    return;
+  }
   if (one_byte_dtype(key_cache.scalar_type())) {  // q's dtype is one decode_supports_f8 takes (check_paged_inputs)
 #if PAGODA_AVX512 || PAGODA_AVX2
     with_f8_element(key_cache.scalar_type(), [&](auto* elem) {
@@ -2318,7 +2393,7 @@ bool prefill_supported(at::ScalarType dtype) {
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                              const at::Tensor& seq_lens, double scale, at::Tensor& out, int64_t num_threads) {
-  check_paged_inputs("paged_prefill_attention", q, key_cache, value_cache, block_tables, seq_lens, true);
+  check_paged_inputs("paged_prefill_attention", q, key_cache, value_cache, block_tables, seq_lens, true, true);
   TORCH_CHECK(prefill_supported(q.scalar_type()), "paged_prefill_attention: dtype ", q.scalar_type(),
               " not supported on this CPU build");
   TORCH_CHECK(q.stride(2) == 1, "q must be [T, H, D] with head_dim contiguous");
@@ -2362,7 +2437,14 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
   P.block_tables = btp;
   P.qscale = static_cast<float>(scale) * kLog2e;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
-  if (one_byte_dtype(key_cache.scalar_type())) {  // q's dtype is one decode_supports_f8 takes (check_paged_inputs)
+  if (key_cache.scalar_type() == at::kChar) {  // bf16 q with vdpbf16ps (check_paged_inputs)
+#if PAGODA_DPBF16
+    prefill_impl<bf16_t, i8s_t>(P, static_cast<const bf16_t*>(q.data_ptr()),
+                                static_cast<const i8s_t*>(key_cache.data_ptr()),
+                                static_cast<const i8s_t*>(value_cache.data_ptr()),
+                                static_cast<bf16_t*>(out.data_ptr()), qs, sl, static_cast<int>(B), nthreads);
+#endif
+  } else if (one_byte_dtype(key_cache.scalar_type())) {  // q's dtype is one decode_supports_f8 takes (check_paged_inputs)
     with_f8_element(key_cache.scalar_type(), [&](auto* elem) {
       using C = std::remove_const_t<std::remove_pointer_t<decltype(elem)>>;
       const auto* kc = static_cast<const C*>(key_cache.data_ptr());
@@ -2430,6 +2512,7 @@ TORCH_LIBRARY(pagoda_cpu, m) {
   m.def("has_avx512() -> bool", TORCH_FN(has_avx512));
   m.def("decode_supports_f8(ScalarType q) -> bool", TORCH_FN(decode_supports_f8_op));
   m.def("decode_f8_flushes_subnormals(ScalarType q) -> bool", TORCH_FN(decode_f8_flushes_subnormals));
+  m.def("decode_supports_int8(ScalarType q) -> bool", TORCH_FN(decode_supports_int8));
   m.def(
       "paged_prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor(a!) out, int num_threads) -> ()");

@@ -22,11 +22,27 @@ struct bf16_t { uint16_t x; };
 // rows (cpu_ops.cpp, f8_row); the attention kernels read them (paged_attention_cpu.cpp).
 struct f8e5m2_t { uint8_t x; };
 struct f8e4m3_t { uint8_t x; };
-// Which codes a cache element holds, if any (the kernels' F8 template parameter).
-constexpr int kNoF8 = 0, kE5M2 = 1, kE4M3 = 2;
+// An int8 cache (torch.int8): each (token, kv head) row is head_dim codes followed by its float32
+// scale (kRowScaleBytes; the cache's last dim is head_dim + 4), the row's values codes x scale, the
+// scale its largest magnitude / 127 (cpu_ops.cpp, i8_row).
+struct i8s_t { int8_t x; };
+constexpr int kRowScaleBytes = 4;
+// Which codes a cache element holds, if any (the kernels' F8 template parameter; kI8: i8s_t).
+constexpr int kNoF8 = 0, kE5M2 = 1, kE4M3 = 2, kI8 = 3;
 template <typename C>
 constexpr int f8_kind() {
-  return std::is_same_v<C, f8e5m2_t> ? kE5M2 : std::is_same_v<C, f8e4m3_t> ? kE4M3 : kNoF8;
+  return std::is_same_v<C, f8e5m2_t> ? kE5M2
+         : std::is_same_v<C, f8e4m3_t> ? kE4M3
+         : std::is_same_v<C, i8s_t>    ? kI8
+                                       : kNoF8;
+}
+// Float8 codes (read as words of their values times a power of two), not int8 ones.
+constexpr bool f8_codes(int kind) { return kind == kE5M2 || kind == kE4M3; }
+// A row's scale, stored after its head_dim codes.
+inline float row_scale(const void* row, int64_t head_dim) {
+  float s;
+  std::memcpy(&s, static_cast<const char*>(row) + head_dim, sizeof s);
+  return s;
 }
 
 // The one-byte caches' dtypes.
