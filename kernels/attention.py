@@ -80,7 +80,10 @@ def dequantize_int8_rows(rows: torch.Tensor) -> torch.Tensor:
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows as a cache of ``dtype`` stores them: torch's conversion, where float8_e4m3fn (no
     infinities) saturates at +-448 first (torch's conversion alone gives NaN there), as vLLM's fp8
-    writers do. The codes Pagoda's C++ writers store."""
+    writers do; an int8 cache's rows of codes and a scale (quantize_int8_rows). The codes Pagoda's
+    C++ writers store."""
+    if dtype == torch.int8:
+        return quantize_int8_rows(x)
     if dtype == torch.float8_e4m3fn:
         x = x.clamp(-E4M3_MAX, E4M3_MAX)
     return x.to(dtype)

@@ -423,6 +423,22 @@ def test_int8_cache_writer_stores_the_reference_bytes(dtype):
     assert ((values - value.float()).abs() <= step * (0.5 + 1e-4)).all()  # (float32 rounding of x / scale)
 
 
+def test_int8_cache_backend_writes_match_the_torch_path():
+    """CpuAttention().write_kv into int8 caches (the C++ writer; a layout it does not take, heads
+    not adjacent, goes through torch's index_copy_) stores what write_kv's torch path stores."""
+    g = torch.Generator().manual_seed(4)
+    kvh, d, nb, bs, t = 3, 64, 10, 16, 40
+    key = torch.randn(t, kvh, d, generator=g).to(torch.bfloat16)
+    value = torch.randn(t, d, kvh, generator=g).to(torch.bfloat16).transpose(1, 2)  # heads not adjacent
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    caches = [torch.zeros(nb, bs, kvh, d + INT8_ROW_SCALE_BYTES, dtype=torch.int8) for _ in range(4)]
+    CpuAttention().write_kv(key, value, caches[0], caches[1], slots)
+    CpuAttention().write_kv(key, value.contiguous(), caches[2], caches[3], slots)
+    ref_k, ref_v = (torch.zeros_like(caches[0]) for _ in range(2))
+    write_kv(key, value, ref_k, ref_v, slots)
+    assert ref_v.any() and all(torch.equal(c, r) for c, r in zip(caches, (ref_k, ref_v, ref_k, ref_v)))
+
+
 def test_int8_cache_arguments(op):
     """An int8 cache's last dim is head_dim + 4 (codes and a scale) and it takes bf16 queries; the
     writer and the kernels say so."""

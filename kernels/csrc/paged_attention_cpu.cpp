@@ -3,7 +3,8 @@
 //
 // Layout (per layer): key_cache / value_cache [num_blocks, block_size, num_kv_heads, head_dim]
 // (the last dim must be contiguous; the other strides are free), block_tables [B, max_blocks]
-// int32 (rows may be strided).
+// int32 (rows may be strided). An int8 cache's last dim is head_dim + 4: each row's codes, then its
+// float32 scale (pagoda_cpu.h, i8s_t; bf16 queries with vdpbf16ps only).
 //
 // Decode (q / out [B, H, D] contiguous, seq_lens [B] int32): work is split into items (sequence,
 // all kv heads or one[, context slice]) claimed in order by the threads (a dynamic schedule), longest first. An
@@ -861,7 +862,8 @@ void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, 
 //
 // F8: the cache holds one-byte codes, read as bf16 words of their values times 2^-112 or 2^-120
 // (f8_words), with qraw scaled by 2^112 (run_item) and P scaled here: the same bits as a bf16 cache
-// of their values.
+// of their values. kI8: int8 codes as bf16 words of their values (f8_load32 and the like), each
+// token's scales applied to its scores and to its probability here.
 template <int NH, int DT, int NKV, int F8 = kNoF8>
 void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, float* acc, float* m, V16* lsum,
                       V16* tmp) {
