@@ -79,7 +79,7 @@ class EngineConfig:
     # Pagoda's C++ kernels read it. "int8": each (token, kv head) row as int8 codes and a float32
     # scale (its largest magnitude / 127; 68 bytes a row of 64, 53% of bf16's), half e4m3's error
     # again (0.036, bench/kv_format_sim.py) at a slower decode read than fp8's (the codes converted
-    # to bf16 through float32): a bfloat16 model on a CPU with AVX512-BF16.
+    # to bf16 through float32); where the fp8 caches are read.
     kv_cache_dtype: str = "auto"
     # CPU with AVX512-BF16 or AMX-BF16, bf16 model: the decoder layers' GEMMs on Pagoda's own
     # kernels (kernels/csrc/cpu_ops.cpp: AMX tiles through torch's brgemm micro-kernel, else
@@ -150,9 +150,6 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} needs device 'cpu' and dtype 'bfloat16' or "
                              f"'float32' (Pagoda's CPU kernels read it), got device {self.device!r} and dtype "
                              f"{self.dtype!r}")
-        if self.kv_cache_dtype == "int8" and self.dtype != "bfloat16":
-            raise ValueError(f"kv_cache_dtype 'int8' needs dtype 'bfloat16' (Pagoda's kernels read int8 caches with "
-                             f"bf16 queries), got dtype {self.dtype!r}")
         if self.attention_backend not in ("cpu", "torch", "triton", "auto"):
             raise ValueError(f"attention_backend must be 'cpu', 'torch', 'triton' or 'auto', "
                              f"got {self.attention_backend!r}")

@@ -114,8 +114,7 @@ class ModelRunner:
                                                       and self.layer_ops.reads_one_byte_cache):
             raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} needs Pagoda's C++ attention and layer "
                              f"kernels: a bfloat16 model on a CPU with AVX512-BF16 or AVX2, a float32 model on one "
-                             f"with AVX-512 or AVX2 (int8: a bfloat16 model with AVX512-BF16) (here: attention "
-                             f"backend {self.attn.name!r}, "
+                             f"with AVX-512 or AVX2 (here: attention backend {self.attn.name!r}, "
                              f"layer ops {type(self.layer_ops).__name__})")
         # torch.empty: pages are committed on first write (unless kv_cache_prefault writes them all now).
         self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)

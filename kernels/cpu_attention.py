@@ -168,7 +168,7 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     value) with bfloat16 or float32 q where ``decode_supports_f8(q.dtype)``; subnormal values read as zero where
     ``decode_f8_flushes_subnormals(q.dtype)``, else every code as its value), or int8 caches [num_blocks,
     block_size, kv_heads, D + 4] (each row D codes and a float32 scale, ``quantize_int8_rows``) with
-    bfloat16 q where ``decode_supports_int8(q.dtype)``. Returns [B, H, D] in q's dtype
+    bfloat16 or float32 q where ``decode_supports_int8(q.dtype)``. Returns [B, H, D] in q's dtype
     (``out`` if given). Accumulation is in float32. A sequence of length 0 gets zeros.
     """
     op = _op if _op is not None else load_extension()
@@ -197,9 +197,9 @@ def decode_f8_flushes_subnormals(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 def decode_supports_int8(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether this host's build of the decode kernel reads an int8 cache (each row head_dim codes
-    and a float32 scale, ``pagoda_kernels.attention.quantize_int8_rows``) with queries of ``dtype``:
-    bf16 on a CPU with AVX512-BF16. The prefill kernel does not read one yet."""
+    """Whether this host's build of the decode and prefill kernels reads an int8 cache (each row
+    head_dim codes and a float32 scale, ``pagoda_kernels.attention.quantize_int8_rows``) with
+    queries of ``dtype``: where it reads one-byte caches (``decode_supports_f8``)."""
     load_extension()
     return bool(torch.ops.pagoda_cpu.decode_supports_int8(dtype))
 

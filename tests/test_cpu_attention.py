@@ -320,7 +320,7 @@ def test_one_byte_cache_arguments(op, f8):
         with pytest.raises(RuntimeError, match=f"a {f8_name(f8)} cache takes bfloat16 or float32 q, got Half"):
             call(q.half(), kc8, vc8)
         with pytest.raises(RuntimeError, match="key_cache and value_cache must share a dtype"):
-            call(q, kc8, vc)
+            call(q, kc8, vc8.view(torch.uint8))
         with pytest.raises(RuntimeError, match="key_cache and value_cache must share a dtype"):
             call(q, kc8, other)
 
@@ -336,25 +336,26 @@ def int8_cache(cache: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("h,kvh,d", F8_SHAPES, ids=[f"{h}x{kvh}x{d}" for h, kvh, d in F8_SHAPES])
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_int8_cache_decode_matches_the_reference_on_its_values(op, h, kvh, d, num_threads):
-    """bf16 queries on an int8 cache (each (token, kv head) row: head_dim codes and a float32 scale,
-    its largest magnitude / 127): the output is softmax(q k^T) v on the rows' values (codes x scale)
-    within bf16's tolerance, on every span path (SmolLM2's paired tokens, one token a vector, head_dim
-    128 and 80 with its half-width chunk, more query heads than a pass), split contexts and the
-    poisoned slots; a speculative step's grouped rows give each row's own bits. Builds without
-    AVX512-BF16 refuse such a cache."""
-    q, kc, vc, bt, sl = make_inputs(LENS + [3000, 0, 1500], h, kvh, d, 16, torch.bfloat16, seed=h + d)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_int8_cache_decode_matches_the_reference_on_its_values(op, h, kvh, d, num_threads, dtype):
+    """bf16 or float32 queries on an int8 cache (each (token, kv head) row: head_dim codes and a
+    float32 scale, its largest magnitude / 127): the output is softmax(q k^T) v on the rows' values
+    (codes x scale) within q's dtype's tolerance, on every span path (SmolLM2's paired tokens, one
+    token a vector, head_dim 128 and 80 with its half-width chunk, more query heads than a pass),
+    split contexts and the poisoned slots; a speculative step's grouped rows give each row's own
+    bits. Builds that cannot read it with q's dtype refuse it."""
+    q, kc, vc, bt, sl = make_inputs(LENS + [3000, 0, 1500], h, kvh, d, 16, dtype, seed=h + d)
     kc8, vc8 = int8_cache(kc), int8_cache(vc)
     out = torch.empty_like(q)
-    if not decode_supports_int8(torch.bfloat16):
-        with pytest.raises(RuntimeError, match="an int8 cache takes bfloat16 q on a CPU with AVX512-BF16"):
+    if not decode_supports_int8(dtype):
+        with pytest.raises(RuntimeError, match="an int8 cache with .* q needs a CPU with AVX512-BF16"):
             op(q, kc8, vc8, bt, sl, 0.125, out, num_threads)
         return
     op(q, kc8, vc8, bt, sl, 0.125, out, num_threads)
     assert not out.isnan().any()
     want = reference(q, dequantize_int8_rows(kc8), dequantize_int8_rows(vc8), bt, sl, 0.125)
-    torch.testing.assert_close(out.double(), want, **TOL[torch.bfloat16])
-    qs, kcs, vcs, bts, sls = speculative_rows([1, 30, 63, 100], 3, 16, torch.bfloat16, seed=d)
+    torch.testing.assert_close(out.double(), want, **TOL[dtype])
+    qs, kcs, vcs, bts, sls = speculative_rows([1, 30, 63, 100], 3, 16, dtype, seed=d)
     kcs8, vcs8 = int8_cache(kcs), int8_cache(vcs)
     grouped, alone = torch.empty_like(qs), torch.empty_like(qs)
     op(qs, kcs8, vcs8, bts, sls, 0.125, grouped, num_threads)
@@ -362,30 +363,31 @@ def test_int8_cache_decode_matches_the_reference_on_its_values(op, h, kvh, d, nu
         op(qs[i:i + 1], kcs8, vcs8, bts[i:i + 1], sls[i:i + 1], 0.125, alone[i:i + 1], num_threads)
     assert torch.equal(grouped, alone)
     torch.testing.assert_close(grouped.double(), reference(qs, dequantize_int8_rows(kcs8), dequantize_int8_rows(vcs8),
-                                                           bts, sls, 0.125), **TOL[torch.bfloat16])
+                                                           bts, sls, 0.125), **TOL[dtype])
 
 
-def test_int8_cache_scales_reach_scores_and_values(op):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_int8_cache_scales_reach_scores_and_values(op, dtype):
     """Rows of one sequence whose K and V are the same values at scales 2^-4 .. 2^4 apart (as a
     model's K/V grow and shrink token to token): each token's K scale must multiply its score and
     its V scale its value, or the softmax picks other tokens and the output lands elsewhere."""
-    if not decode_supports_int8(torch.bfloat16):
-        pytest.skip("this build has no AVX512-BF16: the refusal is checked above")
+    if not decode_supports_int8(dtype):
+        pytest.skip("this build does not read int8 caches with these queries: the refusal is checked above")
     g = torch.Generator().manual_seed(5)
     n, kvh, d, bs = 96, 3, 64, 16
     base_k = torch.randn(n, kvh, d, generator=g)
     base_v = torch.randn(n, kvh, d, generator=g)
     mag = 2.0 ** torch.randint(-4, 5, (n, kvh, 1), generator=g)
-    kc = (base_k * mag).to(torch.bfloat16).view(n // bs, bs, kvh, d)
-    vc = (base_v * mag.flip(0)).to(torch.bfloat16).view(n // bs, bs, kvh, d)
-    q = (torch.randn(1, 9, d, generator=g) * 2).to(torch.bfloat16)
+    kc = (base_k * mag).to(dtype).view(n // bs, bs, kvh, d)
+    vc = (base_v * mag.flip(0)).to(dtype).view(n // bs, bs, kvh, d)
+    q = (torch.randn(1, 9, d, generator=g) * 2).to(dtype)
     bt = torch.arange(n // bs, dtype=torch.int32).view(1, -1)
     sl = torch.tensor([n], dtype=torch.int32)
     out = torch.empty_like(q)
     kc8, vc8 = int8_cache(kc), int8_cache(vc)
     op(q, kc8, vc8, bt, sl, 0.125, out, 1)
     torch.testing.assert_close(out.double(), reference(q, dequantize_int8_rows(kc8), dequantize_int8_rows(vc8), bt, sl,
-                                                       0.125), **TOL[torch.bfloat16])
+                                                       0.125), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -440,19 +442,22 @@ def test_int8_cache_backend_writes_match_the_torch_path():
 
 
 def test_int8_cache_arguments(op):
-    """An int8 cache's last dim is head_dim + 4 (codes and a scale) and it takes bf16 queries; the
-    writer and the kernels say so."""
+    """An int8 cache's last dim is head_dim + 4 (codes and a scale) and it takes bf16 or float32
+    queries; the writer and the kernels say so."""
     load_extension()
     q, kc, vc, bt, sl = make_inputs([20, 3], 9, 3, 64, 16, torch.bfloat16, seed=2)
     kc8, vc8 = int8_cache(kc), int8_cache(vc)
+    qs = torch.tensor([0, 1, 2], dtype=torch.int32)
     if decode_supports_int8(torch.bfloat16):
         with pytest.raises(RuntimeError, match="an int8 cache's rows are head_dim \\(64\\) codes and a float32 "
                                                "scale: last dim 68, got 64"):
             paged_decode_attention(q, kc8[..., :64].contiguous(), vc8[..., :64].contiguous(), bt, sl, 0.125)
-    with pytest.raises(RuntimeError, match="an int8 cache takes bfloat16 q"):
-        paged_decode_attention(q.float(), kc8, vc8, bt, sl, 0.125)
-    with pytest.raises(RuntimeError, match="an int8 cache takes bfloat16 q"):
-        paged_prefill_attention(q.float(), kc8, vc8, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 0.125)
+    for call in (lambda *a: paged_decode_attention(*a, bt, sl, 0.125),
+                 lambda *a: paged_prefill_attention(*a, bt, qs, sl, 0.125)):
+        with pytest.raises(RuntimeError, match="an int8 cache takes bfloat16 or float32 q, got Half"):
+            call(q.half(), kc8, vc8)
+        with pytest.raises(RuntimeError, match="key_cache and value_cache must share a dtype"):
+            call(q, kc8, vc8.view(torch.uint8))
     with pytest.raises(RuntimeError, match="key / value must be"):
         torch.ops.pagoda_cpu.reshape_and_cache(kc[:2, 0], kc[:2, 0], kc8[..., :60].contiguous(),
                                                vc8[..., :60].contiguous(), torch.tensor([0, 1]))
@@ -800,21 +805,22 @@ def test_one_byte_cache_prefill_gives_the_bits_of_a_cache_of_its_values(prefill_
 
 
 @needs_prefill
-def test_int8_cache_prefill_gives_the_bits_of_a_cache_of_its_values(prefill_op):
-    """The prefill kernel on int8 caches (each key tile's rows turned into bf16(code x scale) first)
-    gives bitwise what it gives on bf16 caches holding those values: on AMX tiles and on vectors,
-    chunks with and without cached context, the poisoned slots a wrong read would bring in. Builds
-    without AVX512-BF16 refuse them."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_int8_cache_prefill_gives_the_bits_of_a_cache_of_its_values(prefill_op, dtype):
+    """The prefill kernel on int8 caches (each key tile's rows turned into code x scale in q's dtype
+    first, rounded to nearest even) gives bitwise what it gives on caches of q's dtype holding those
+    values: on AMX tiles and on vectors, chunks with and without cached context, the poisoned slots
+    a wrong read would bring in. Builds that cannot read them with q's dtype refuse them."""
     chunks = PREFILL_CHUNKS + [(300, 90)]
-    q, kc, vc, bt, qs, sl = make_prefill_inputs(chunks, 9, 3, 64, 16, torch.bfloat16, seed=5)
+    q, kc, vc, bt, qs, sl = make_prefill_inputs(chunks, 9, 3, 64, 16, dtype, seed=5)
     kc8, vc8 = int8_cache(kc), int8_cache(vc)
     out = torch.empty_like(q)
-    if not decode_supports_int8(torch.bfloat16):
-        with pytest.raises(RuntimeError, match="an int8 cache takes bfloat16 q on a CPU with AVX512-BF16"):
+    if not decode_supports_int8(dtype):
+        with pytest.raises(RuntimeError, match="an int8 cache with .* q needs a CPU with AVX512-BF16"):
             prefill_op(q, kc8, vc8, bt, qs, sl, 0.125, out, 2)
         return
-    values = dequantize_int8_rows(kc8).to(torch.bfloat16), dequantize_int8_rows(vc8).to(torch.bfloat16)
-    for _ in each_prefill_variant():
+    values = dequantize_int8_rows(kc8).to(dtype), dequantize_int8_rows(vc8).to(dtype)
+    for _ in each_prefill_variant() if dtype in PREFILL_DTYPES else ():
         for threads in (1, 2):
             prefill_op(q, kc8, vc8, bt, qs, sl, 0.125, out, threads)
             want = check_prefill(q, *values, bt, qs, sl, 0.125, op=prefill_op, num_threads=threads)

@@ -789,8 +789,8 @@ def test_decoder_layers_in_one_call_give_the_python_layers_logits(tiny_llama_dir
 
 def test_kv_cache_dtype_is_checked_naming_the_option():
     """vLLM's kv_cache_dtype: 'auto', or one byte a value: 'fp8' and 'fp8_e4m3' (float8_e4m3fn) or
-    'fp8_e5m2', or 'int8' (codes and a scale a row, bf16 models); other names are refused, and so is
-    a one-byte cache for a float16 model or off the CPU."""
+    'fp8_e5m2', or 'int8' (codes and a scale a row); other names are refused, and so is a one-byte
+    cache for a float16 model or off the CPU."""
     assert EngineConfig().torch_kv_cache_dtype == torch.bfloat16
     assert EngineConfig(kv_cache_dtype="fp8_e5m2").torch_kv_cache_dtype == torch.float8_e5m2
     assert EngineConfig(kv_cache_dtype="fp8").torch_kv_cache_dtype == torch.float8_e4m3fn
@@ -799,8 +799,9 @@ def test_kv_cache_dtype_is_checked_naming_the_option():
     for bad in ("fp8_e4m3fn", "uint8", "bfloat16"):
         with pytest.raises(ValueError, match=r"kv_cache_dtype must be 'auto' \(the model dtype\) or one of"):
             EngineConfig(kv_cache_dtype=bad)
-    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs dtype 'bfloat16'"):
-        EngineConfig(kv_cache_dtype="int8", dtype="float32")
+    assert EngineConfig(kv_cache_dtype="int8", dtype="float32").torch_kv_cache_dtype == torch.int8
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs device 'cpu' and dtype 'bfloat16' or"):
+        EngineConfig(kv_cache_dtype="int8", dtype="float16")
     assert EngineConfig(kv_cache_dtype="fp8_e5m2", dtype="float32").torch_kv_cache_dtype == torch.float8_e5m2
     with pytest.raises(ValueError, match="needs device 'cpu' and dtype 'bfloat16' or 'float32'"):
         EngineConfig(kv_cache_dtype="fp8_e5m2", dtype="float16")
@@ -880,18 +881,20 @@ def test_one_byte_kv_cache_for_a_float32_model(bundled_dir, prompts, kv_cache_dt
                                   prompts, 4, f8)
 
 
-def test_int8_kv_cache_holds_its_rows_codes_and_scales_and_each_rows_own_tokens(bundled_dir, prompts):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int8_kv_cache_holds_its_rows_codes_and_scales_and_each_rows_own_tokens(bundled_dir, prompts, dtype):
     """kv_cache_dtype "int8": each (token, kv head) row as 64 int8 codes and a float32 scale (68 bytes
-    against bf16's 128: that many more blocks a budget holds); after a prefill its layer-0 rows are
-    bitwise quantize_int8_rows of a bf16 engine's K/V, through the engine's own writers (the QKV
-    GEMM's epilogue in the one-call layer stack); a request's greedy tokens are the same alone as in
-    a batch with chunked prefill beside decodes and with prompt-lookup drafts. Where the CPU has no
-    AVX512-BF16 the engine refuses it, naming the option."""
+    against bf16's 128 and float32's 256: that many more blocks a budget holds); after a prefill its
+    layer-0 rows are bitwise quantize_int8_rows of a model-dtype engine's K/V, through the engine's
+    own writers (the QKV GEMM's epilogue in the one-call layer stack); a request's greedy tokens are
+    the same alone as in a batch with chunked prefill beside decodes and with prompt-lookup drafts.
+    Where the build cannot read such a cache with the model's dtype the engine refuses it, naming
+    the option."""
     from pagoda_kernels.attention import quantize_int8_rows
     from pagoda_kernels.cpu_attention import decode_supports_int8
 
-    opts = dict(kv_cache_memory_bytes=64 << 20, max_model_len=1024, enable_prefix_caching=False, seed=0)
-    if not decode_supports_int8():
+    opts = dict(dtype=dtype, kv_cache_memory_bytes=64 << 20, max_model_len=1024, enable_prefix_caching=False, seed=0)
+    if not decode_supports_int8(getattr(torch, dtype)):
         with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs Pagoda's C\\+\\+ attention"):
             LLM(bundled_dir, kv_cache_dtype="int8", **opts)
         return
@@ -900,7 +903,8 @@ def test_int8_kv_cache_holds_its_rows_codes_and_scales_and_each_rows_own_tokens(
     r8, rr = i8.llm_engine.runner, ref.llm_engine.runner
     assert r8.model.layer_stack is not None and r8.kv_cache.dtype == torch.int8 and r8.kv_cache.shape[-1] == 68
     assert i8.llm_engine.config.num_kv_blocks == (64 << 20) // (2 * 30 * 64 * 3 * 68)
-    assert ref.llm_engine.config.num_kv_blocks == (64 << 20) // (2 * 30 * 64 * 3 * 128)
+    row = 128 if dtype == "bfloat16" else 256
+    assert ref.llm_engine.config.num_kv_blocks == (64 << 20) // (2 * 30 * 64 * 3 * row)
     one = SamplingParams(temperature=0, max_tokens=1)
     for llm in (i8, ref):
         llm.generate({"prompt_token_ids": prompts[0] * 2}, one, use_tqdm=False)

@@ -4,7 +4,7 @@
 // Layout (per layer): key_cache / value_cache [num_blocks, block_size, num_kv_heads, head_dim]
 // (the last dim must be contiguous; the other strides are free), block_tables [B, max_blocks]
 // int32 (rows may be strided). An int8 cache's last dim is head_dim + 4: each row's codes, then its
-// float32 scale (pagoda_cpu.h, i8s_t; bf16 queries with vdpbf16ps only).
+// float32 scale (pagoda_cpu.h, i8s_t; read where one-byte caches are).
 //
 // Decode (q / out [B, H, D] contiguous, seq_lens [B] int32): work is split into items (sequence,
 // all kv heads or one[, context slice]) claimed in order by the threads (a dynamic schedule), longest first. An
@@ -104,7 +104,8 @@ using pagoda::one_byte_dtype;
 using pagoda::with_f8_element;
 // A cache element of kind F8 for queries of T's.
 template <typename T, int F8>
-using CacheElem = std::conditional_t<F8 == kE5M2, f8e5m2_t, std::conditional_t<F8 == kE4M3, f8e4m3_t, T>>;
+using CacheElem = std::conditional_t<
+    F8 == kE5M2, f8e5m2_t, std::conditional_t<F8 == kE4M3, f8e4m3_t, std::conditional_t<F8 == kI8, i8s_t, T>>>;
 
 inline float to_float(float v) { return v; }
 inline float to_float(bf16_t v) { return pagoda::bf16_to_float(v); }
@@ -139,6 +140,10 @@ inline __m256i codes_hi16(const void* p) {
   return _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(static_cast<const __m128i*>(p))), 8);
 }
 inline V16 vload(const f8e5m2_t* p) { return {_mm512_cvtph_ps(codes_hi16(p))}; }
+// 16 int8 codes as floats, exactly (an int8 cache's rows before their scale).
+inline V16 vload(const i8s_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
 inline V16 vload_e4m3_scaled(const f8e4m3_t* p) {  // the values times 2^-8
   const __m256i h =
       _mm256_and_si256(_mm256_srai_epi16(codes_hi16(p), 1), _mm256_set1_epi16(static_cast<short>(0xBF80)));
@@ -231,6 +236,13 @@ inline V16 vload(const f8e5m2_t* p) {
 inline __attribute__((always_inline)) __m256 e4m3x8_to_ps_scaled(__m128i code_hi) {
   const __m128i h = _mm_and_si128(_mm_srai_epi16(code_hi, 1), _mm_set1_epi16(static_cast<short>(0xBF80)));
   return _mm256_cvtph_ps(h);
+}
+// 16 int8 codes as floats, exactly (an int8 cache's rows before their scale).
+inline V16 vload(const i8s_t* p) {
+  const auto* b = reinterpret_cast<const __m128i*>(p);
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(b))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+              reinterpret_cast<const int8_t*>(p) + 8))))};
 }
 inline V16 vload_e4m3_scaled(const f8e4m3_t* p) {  // the values times 2^-8
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -387,6 +399,11 @@ template <typename CT>
 inline void f8_values_row(const CT* src, float* dst, int n) {
   for (int i = 0; i < n; i += 16) vstore(dst + i, vload(src + i));
 }
+// An int8 cache's row of n codes and its scale -> float32(code x scale).
+inline void f8_values_row(const i8s_t* src, float* dst, int n) {
+  const V16 scale = vset1(pagoda::row_scale(src, n));
+  for (int i = 0; i < n; i += 16) vstore(dst + i, vmul(vload(src + i), scale));
+}
 #endif
 #if PAGODA_AVX2
 // n codes (a multiple of 16) -> their values as bf16 (exact: every e5m2 and e4m3 value is one), what
@@ -399,6 +416,16 @@ inline void f8_values_row(const CT* src, bf16_t* dst, int n) {
                                           _mm256_srli_epi32(_mm256_castps_si256(f.hi), 16));
     // packus interleaves the halves' 128-bit lanes: lo 0-3, hi 0-3, lo 4-7, hi 4-7
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permute4x64_epi64(w, 0xD8));
+  }
+}
+// An int8 cache's row of n codes and its scale -> bf16(code x scale), rounded to nearest even as the
+// AVX512-BF16 staging rounds it.
+inline void f8_values_row(const i8s_t* src, bf16_t* dst, int n) {
+  const V16 scale = vset1(pagoda::row_scale(src, n));
+  alignas(32) float f[16];
+  for (int i = 0; i < n; i += 16) {
+    vstore(f, vmul(vload(src + i), scale));
+    for (int j = 0; j < 16; ++j) dst[i + j] = pagoda::float_to_bf16(f[j]);
   }
 }
 #endif
@@ -621,6 +648,19 @@ struct SpanArgs {
   float qscale;
 };
 
+// An int8 cache's per-token scales for kv head kh of a span's n tokens (rows at A.krow / A.vrow),
+// zero past n: each token's K scale multiplies its scores, its V scale its probability (the
+// softmax's sums take the probabilities unscaled).
+PAGODA_INLINE void span_row_scales(const SpanArgs& A, int kh, int D, float* kscale, float* vscale) {
+  const auto* const* krow = reinterpret_cast<const int8_t* const*>(A.krow);
+  const auto* const* vrow = reinterpret_cast<const int8_t* const*>(A.vrow);
+  for (int t = 0; t < A.n; ++t) {
+    kscale[t] = pagoda::row_scale(krow[t] + kh * A.ks2, D);
+    vscale[t] = pagoda::row_scale(vrow[t] + kh * A.vs2, D);
+  }
+  for (int t = A.n; t < kSpan; ++t) kscale[t] = vscale[t] = 0.f;
+}
+
 // Online-softmax update of one head over the span's scores s[0..1] (lanes >= n of the span masked):
 // returns the rescale factor of the accumulators and leaves the probabilities in e[0..1].
 PAGODA_INLINE float softmax_span(V16* s, int n, float qscale, float& m, V16& lsum, V16* e) {
@@ -801,11 +841,21 @@ void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, 
   for (int kh = 0; kh < A.nkv; ++kh) {
     float p[NH][2 * kTile];
     float alpha[NH];
+    alignas(64) float kscale[kSpan], vscale[kSpan];  // int8 codes: each token's scales
+    if constexpr (F8 == kI8) span_row_scales(A, kh, D, kscale, vscale);
     for (int j = 0; j < NH; ++j) {
       const V16* tj = tmp + (kh * NH + j) * kSpan;
       V16 s[2] = {hsum16(tj), n > kTile ? hsum16(tj + kTile) : vzero()};
+      if constexpr (F8 == kI8) {
+        s[0] = vmul(s[0], vload(kscale));
+        s[1] = vmul(s[1], vload(kscale + kTile));
+      }
       V16 e[2];
       alpha[j] = softmax_span(s, n, A.qscale, m[kh * g + j], lsum[kh * g + j], e);
+      if constexpr (F8 == kI8) {
+        e[0] = vmul(e[0], vload(vscale));
+        e[1] = vmul(e[1], vload(vscale + kTile));
+      }
       if constexpr (kSpanScale<VC> != 1.f) {  // V read at 2^-8 of its values (vload_span)
         e[0] = vmul(e[0], vset1(kSpanScale<VC>));
         e[1] = vmul(e[1], vset1(kSpanScale<VC>));
@@ -883,14 +933,7 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
     // int8 codes: each token's K scale multiplies its scores, its V scale its probability (before P
     // is rounded to bf16); the softmax's sums take the probabilities unscaled.
     alignas(64) float kscale[kSpan], vscale[kSpan];
-    if constexpr (F8 == kI8) {
-      const CE* const* krc = reinterpret_cast<const CE* const*>(A.krow);
-      for (int t = 0; t < n; ++t) {
-        kscale[t] = pagoda::row_scale(krc[t] + kh * A.ks2, D);
-        vscale[t] = pagoda::row_scale(vrow[t] + kh * A.vs2, D);
-      }
-      for (int t = n; t < kSpan; ++t) kscale[t] = vscale[t] = 0.f;
-    }
+    if constexpr (F8 == kI8) span_row_scales(A, kh, D, kscale, vscale);
     for (int j = 0; j < NH; ++j) {
       const V16* tj = tmp + (kh * NH + j) * kSpan;
       V16 s[2];
@@ -1490,8 +1533,9 @@ bool decode_supports_f8(at::ScalarType q) {
 }
 bool decode_supports_f8_op(c10::ScalarType q) { return decode_supports_f8(q); }
 // Whether this build's decode and prefill kernels read an int8 cache (codes and a scale a row,
-// pagoda_cpu.h) with queries of this dtype: bf16 with vdpbf16ps.
-bool decode_supports_int8(c10::ScalarType q) { return q == at::kBFloat16 && PAGODA_DPBF16; }
+// pagoda_cpu.h) with queries of this dtype: where they read a one-byte cache (bf16 with vdpbf16ps
+// or on AVX2 builds, float32 on AVX-512 and AVX2 builds; the codes converted exactly).
+bool decode_supports_int8(c10::ScalarType q) { return decode_supports_f8(q); }
 // Whether they read subnormal codes as zero with queries of this dtype (bf16 on vdpbf16ps builds),
 // rather than as their values.
 bool decode_f8_flushes_subnormals(c10::ScalarType q) { return q == at::kBFloat16 && PAGODA_DPBF16; }
@@ -1507,9 +1551,10 @@ void check_paged_inputs(const char* name, const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), name, ": key_cache and value_cache must share a dtype");
   const bool i8 = int8_cache && key_cache.scalar_type() == at::kChar;
   if (i8) {
-    TORCH_CHECK(decode_supports_int8(q.scalar_type()), name,
-                ": an int8 cache takes bfloat16 q on a CPU with AVX512-BF16, got ", q.scalar_type(),
-                PAGODA_DPBF16 ? "" : " (this build has no AVX512-BF16)");
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, name,
+                ": an int8 cache takes bfloat16 or float32 q, got ", q.scalar_type());
+    TORCH_CHECK(decode_supports_int8(q.scalar_type()), name, ": an int8 cache with ", q.scalar_type(),
+                " q needs a CPU with AVX512-BF16 (bfloat16 q) or a build for AVX2");
   } else if (one_byte_cache && one_byte_dtype(key_cache.scalar_type())) {
     const char* cache = key_cache.scalar_type() == at::kFloat8_e5m2 ? "float8_e5m2" : "float8_e4m3fn";
     TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, name, ": a ", cache,
@@ -1589,11 +1634,18 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
   P.qscale = static_cast<float>(scale) * kLog2e;
 
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
-  if (key_cache.scalar_type() == at::kChar) {  // bf16 q with vdpbf16ps (check_paged_inputs)
-#if PAGODA_DPBF16
-    decode_impl<bf16_t, i8s_t>(P, static_cast<const bf16_t*>(q.data_ptr()), static_cast<const i8s_t*>(key_cache.data_ptr()),
-                               static_cast<const i8s_t*>(value_cache.data_ptr()), static_cast<bf16_t*>(out.data_ptr()),
-                               nthreads);
+  if (key_cache.scalar_type() == at::kChar) {  // q's dtype is one decode_supports_int8 takes (check_paged_inputs)
+#if PAGODA_AVX512 || PAGODA_AVX2
+    const auto* kc = static_cast<const i8s_t*>(key_cache.data_ptr());
+    const auto* vc = static_cast<const i8s_t*>(value_cache.data_ptr());
+    if (q.scalar_type() == at::kFloat) {
+      decode_impl<float, i8s_t>(P, q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), nthreads);
+      return;
+    }
+#if PAGODA_DPBF16 || PAGODA_AVX2
+    decode_impl<bf16_t, i8s_t>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
+                               static_cast<bf16_t*>(out.data_ptr()), nthreads);
+#endif
 #endif
     return;
   }
@@ -2439,13 +2491,18 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
   P.block_tables = btp;
   P.qscale = static_cast<float>(scale) * kLog2e;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
-  if (key_cache.scalar_type() == at::kChar) {  // bf16 q with vdpbf16ps (check_paged_inputs)
-#if PAGODA_DPBF16
-    prefill_impl<bf16_t, i8s_t>(P, static_cast<const bf16_t*>(q.data_ptr()),
-                                static_cast<const i8s_t*>(key_cache.data_ptr()),
-                                static_cast<const i8s_t*>(value_cache.data_ptr()),
-                                static_cast<bf16_t*>(out.data_ptr()), qs, sl, static_cast<int>(B), nthreads);
+  if (key_cache.scalar_type() == at::kChar) {  // q's dtype is one decode_supports_int8 takes (check_paged_inputs)
+    const auto* kc = static_cast<const i8s_t*>(key_cache.data_ptr());
+    const auto* vc = static_cast<const i8s_t*>(value_cache.data_ptr());
+    if (q.scalar_type() == at::kFloat) {
+      prefill_impl<float, i8s_t>(P, q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), qs, sl, static_cast<int>(B),
+                                 nthreads);
+    } else {
+#if PAGODA_DPBF16 || PAGODA_AVX2
+      prefill_impl<bf16_t, i8s_t>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
+                                  static_cast<bf16_t*>(out.data_ptr()), qs, sl, static_cast<int>(B), nthreads);
 #endif
+    }
   } else if (one_byte_dtype(key_cache.scalar_type())) {  // q's dtype is one decode_supports_f8 takes (check_paged_inputs)
     with_f8_element(key_cache.scalar_type(), [&](auto* elem) {
       using C = std::remove_const_t<std::remove_pointer_t<decltype(elem)>>;
