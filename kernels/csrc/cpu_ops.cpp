@@ -551,7 +551,7 @@ inline int64_t cache_head_dim(const at::Tensor& cache) {
 }
 
 // Calls f with null pointers of the row type E (at::kBFloat16 rows: bf16_t) and of the cache's
-// element: E's own, or a one-byte cache's code type.
+// element: E's own, a one-byte cache's code type, or i8s_t for an int8 cache.
 template <typename E, typename F>
 void with_cache_element(at::ScalarType cache, F&& f) {
   if (cache == at::kChar)
@@ -826,12 +826,9 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                        const at::Tensor& slot_mapping) {
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   value_cache.sizes() == key_cache.sizes(), "caches must be contiguous [num_blocks, block_size, kv_heads, D] alike");
-  // An int8 cache's rows: D codes and a float32 scale (pagoda_cpu.h, i8s_t).
-  const bool i8 = key_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(!i8 || key_cache.size(3) > pagoda::kRowScaleBytes, "an int8 cache's last dim is head_dim + ",
-              pagoda::kRowScaleBytes, ", got ", key_cache.size(3));
-  const int64_t kvh = key_cache.size(2), dim = key_cache.size(3) - (i8 ? pagoda::kRowScaleBytes : 0),
-                num_slots = key_cache.size(0) * key_cache.size(1);
+  // (An int8 cache's rows: D codes and a float32 scale, pagoda_cpu.h, i8s_t.)
+  const int64_t kvh = key_cache.size(2), dim = cache_head_dim(key_cache), num_slots = key_cache.size(0) * key_cache.size(1);
+  TORCH_CHECK(dim > 0, "an int8 cache's last dim is head_dim + ", pagoda::kRowScaleBytes, ", got ", key_cache.size(3));
   const int64_t rows = key.size(0), row = kvh * dim;
   for (const at::Tensor* t : {&key, &value}) {
     TORCH_CHECK(t->dim() == 3 && t->size(0) == rows && t->size(1) == kvh && t->size(2) == dim && t->stride(2) == 1 &&
