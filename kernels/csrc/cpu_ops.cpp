@@ -541,8 +541,7 @@ inline void cache_token(const T* row, C* cache, int64_t slot, int64_t kv_heads, 
 // Whether a cache of this dtype takes rows of T's: the same dtype, or bf16 or float32 rows in a
 // one-byte or int8 cache.
 inline bool cache_takes(at::ScalarType cache, at::ScalarType rows) {
-  return cache == rows || ((pagoda::one_byte_dtype(cache) || cache == at::kChar) &&
-                           (rows == at::kBFloat16 || rows == at::kFloat));
+  return cache == rows || (pagoda::coded_dtype(cache) && (rows == at::kBFloat16 || rows == at::kFloat));
 }
 
 // A cache's head_dim: its last dim, less an int8 cache's scale bytes.
@@ -554,10 +553,8 @@ inline int64_t cache_head_dim(const at::Tensor& cache) {
 // element: E's own, a one-byte cache's code type, or i8s_t for an int8 cache.
 template <typename E, typename F>
 void with_cache_element(at::ScalarType cache, F&& f) {
-  if (cache == at::kChar)
-    f(static_cast<E*>(nullptr), static_cast<pagoda::i8s_t*>(nullptr));
-  else if (pagoda::one_byte_dtype(cache))
-    pagoda::with_f8_element(cache, [&](auto* c) { f(static_cast<E*>(nullptr), c); });
+  if (pagoda::coded_dtype(cache))
+    pagoda::with_code_element(cache, [&](auto* c) { f(static_cast<E*>(nullptr), c); });
   else
     f(static_cast<E*>(nullptr), static_cast<E*>(nullptr));
 }

@@ -101,7 +101,6 @@ using pagoda::i8s_t;
 using pagoda::kI8;
 using pagoda::kNoF8;
 using pagoda::one_byte_dtype;
-using pagoda::with_f8_element;
 // A cache element of kind F8 for queries of T's.
 template <typename T, int F8>
 using CacheElem = std::conditional_t<
@@ -1632,24 +1631,10 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
   P.qscale = static_cast<float>(scale) * kLog2e;
 
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
-  if (key_cache.scalar_type() == at::kChar) {  // q's dtype is one decode_supports_int8 takes (check_paged_inputs)
+  // One-byte or int8 codes: q's dtype is one decode_supports_f8 takes (check_paged_inputs).
+  if (pagoda::coded_dtype(key_cache.scalar_type())) {
 #if PAGODA_AVX512 || PAGODA_AVX2
-    const auto* kc = static_cast<const i8s_t*>(key_cache.data_ptr());
-    const auto* vc = static_cast<const i8s_t*>(value_cache.data_ptr());
-    if (q.scalar_type() == at::kFloat) {
-      decode_impl<float, i8s_t>(P, q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), nthreads);
-      return;
-    }
-#if PAGODA_DPBF16 || PAGODA_AVX2
-    decode_impl<bf16_t, i8s_t>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
-                               static_cast<bf16_t*>(out.data_ptr()), nthreads);
-#endif
-#endif
-    return;
-  }
-  if (one_byte_dtype(key_cache.scalar_type())) {  // q's dtype is one decode_supports_f8 takes (check_paged_inputs)
-#if PAGODA_AVX512 || PAGODA_AVX2
-    with_f8_element(key_cache.scalar_type(), [&](auto* elem) {
+    pagoda::with_code_element(key_cache.scalar_type(), [&](auto* elem) {
       using C = std::remove_const_t<std::remove_pointer_t<decltype(elem)>>;
       const auto* kc = static_cast<const C*>(key_cache.data_ptr());
       const auto* vc = static_cast<const C*>(value_cache.data_ptr());
@@ -2489,20 +2474,8 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
   P.block_tables = btp;
   P.qscale = static_cast<float>(scale) * kLog2e;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, num_threads > 0 ? num_threads : omp_get_max_threads()));
-  if (key_cache.scalar_type() == at::kChar) {  // q's dtype is one decode_supports_int8 takes (check_paged_inputs)
-    const auto* kc = static_cast<const i8s_t*>(key_cache.data_ptr());
-    const auto* vc = static_cast<const i8s_t*>(value_cache.data_ptr());
-    if (q.scalar_type() == at::kFloat) {
-      prefill_impl<float, i8s_t>(P, q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), qs, sl, static_cast<int>(B),
-                                 nthreads);
-    } else {
-#if PAGODA_DPBF16 || PAGODA_AVX2
-      prefill_impl<bf16_t, i8s_t>(P, static_cast<const bf16_t*>(q.data_ptr()), kc, vc,
-                                  static_cast<bf16_t*>(out.data_ptr()), qs, sl, static_cast<int>(B), nthreads);
-#endif
-    }
-  } else if (one_byte_dtype(key_cache.scalar_type())) {  // q's dtype is one decode_supports_f8 takes (check_paged_inputs)
-    with_f8_element(key_cache.scalar_type(), [&](auto* elem) {
+  if (pagoda::coded_dtype(key_cache.scalar_type())) {  // one-byte or int8 codes, q a dtype decode_supports_f8 takes
+    pagoda::with_code_element(key_cache.scalar_type(), [&](auto* elem) {
       using C = std::remove_const_t<std::remove_pointer_t<decltype(elem)>>;
       const auto* kc = static_cast<const C*>(key_cache.data_ptr());
       const auto* vc = static_cast<const C*>(value_cache.data_ptr());

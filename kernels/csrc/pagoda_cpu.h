@@ -56,6 +56,17 @@ void with_f8_element(at::ScalarType cache, F&& f) {
   else
     f(static_cast<f8e4m3_t*>(nullptr));
 }
+// Calls f with a null pointer to a coded cache's element: i8s_t for an int8 cache (torch.int8),
+// else the one-byte code type (with_f8_element).
+template <typename F>
+void with_code_element(at::ScalarType cache, F&& f) {
+  if (cache == at::kChar)
+    f(static_cast<i8s_t*>(nullptr));
+  else
+    with_f8_element(cache, f);
+}
+// Whether the caches hold codes (one-byte or int8) rather than the queries' dtype.
+inline bool coded_dtype(at::ScalarType t) { return one_byte_dtype(t) || t == at::kChar; }
 
 inline float bf16_to_float(bf16_t v) {
   const uint32_t u = static_cast<uint32_t>(v.x) << 16;
