@@ -19,7 +19,7 @@ from engine_service.models.llama import KeptRows, LlamaForCausalLM
 from engine_service.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_service.scheduler import SchedulerOutput
 from engine_service.sequence import Request, Sequence
-from pagoda_kernels.attention import INT8_ROW_SCALE_BYTES, AttentionMetadata, get_attention_backend
+from pagoda_kernels.attention import AttentionMetadata, cache_row_elems, get_attention_backend
 from pagoda_kernels.layer_ops import get_layer_ops
 
 logger = logging.getLogger(__name__)
@@ -51,11 +51,6 @@ def kv_bytes_per_block(model_config, config: EngineConfig) -> int:
     return 2 * model_config.num_hidden_layers * config.block_size * model_config.num_key_value_heads * elem * (
         cache_row_elems(head_dim, config.torch_kv_cache_dtype))
 
-
-def cache_row_elems(head_dim: int, cache_dtype: torch.dtype) -> int:
-    """Elements of a (token, kv head) row in a cache of ``cache_dtype``: head_dim, and an int8
-    cache's scale after its codes."""
-    return head_dim + (INT8_ROW_SCALE_BYTES if cache_dtype == torch.int8 else 0)
 
 
 class ModelRunner:

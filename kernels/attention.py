@@ -48,6 +48,8 @@ E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 # An int8 cache's (token, kv head) row: head_dim int8 codes, then the row's float32 scale (4 bytes);
 # the cache's last dim is head_dim + INT8_ROW_SCALE_BYTES.
 INT8_ROW_SCALE_BYTES = 4
+# Caches of codes that bf16 and float32 rows are written into (the C++ kernels' coded_dtype).
+CODED_CACHE_DTYPES = (*ONE_BYTE_DTYPES, torch.int8)
 
 
 def quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
@@ -64,6 +66,12 @@ def quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
     v = xf * inv
     codes = torch.where(v.isnan(), torch.zeros_like(v), v).clamp(-127, 127).round().to(torch.int8)
     return torch.cat([codes, scale.view(torch.int8)], dim=-1)
+
+
+def cache_row_elems(head_dim: int, cache_dtype: torch.dtype) -> int:
+    """Elements of a (token, kv head) row in a cache of ``cache_dtype``: head_dim, and an int8
+    cache's scale after its codes (the cache's last dim)."""
+    return head_dim + (INT8_ROW_SCALE_BYTES if cache_dtype == torch.int8 else 0)
 
 
 def cache_head_dim(cache: torch.Tensor) -> int:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .attention import ONE_BYTE_DTYPES, AttentionMetadata, TorchAttention
+from .attention import CODED_CACHE_DTYPES, AttentionMetadata, TorchAttention
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "cpu_ops.cpp"]
@@ -256,8 +256,7 @@ class CpuAttention(TorchAttention):
                 and value.stride(1) == value.shape[2] and key_cache.is_contiguous() and value_cache.is_contiguous()
                 and slot_mapping.dtype == torch.int64 and key.dtype == value.dtype
                 and (key_cache.dtype == key.dtype
-                     or (key_cache.dtype in (*ONE_BYTE_DTYPES, torch.int8)
-                         and key.dtype in (torch.bfloat16, torch.float32)))):
+                     or (key_cache.dtype in CODED_CACHE_DTYPES and key.dtype in (torch.bfloat16, torch.float32)))):
             self._reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous())
         else:
             super().write_kv(key, value, key_cache, value_cache, slot_mapping)
@@ -266,11 +265,10 @@ class CpuAttention(TorchAttention):
         return prefill_supported(dtype)
 
     def reads_cache_dtype(self, cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
-        # A one-byte cache with a bf16 or float32 model, where the build's kernels read it.
-        one_byte = (cache_dtype in ONE_BYTE_DTYPES and dtype in (torch.bfloat16, torch.float32)
-                    and decode_supports_f8(dtype))
-        int8 = cache_dtype == torch.int8 and decode_supports_int8(dtype)  # codes and a scale a row
-        return one_byte or int8 or super().reads_cache_dtype(cache_dtype, dtype)
+        # A one-byte or int8 cache with a bf16 or float32 model, where the build's kernels read it.
+        coded = (cache_dtype in CODED_CACHE_DTYPES and dtype in (torch.bfloat16, torch.float32)
+                 and decode_supports_f8(dtype))
+        return coded or super().reads_cache_dtype(cache_dtype, dtype)
 
     def prefill_rows_independent(self, dtype: torch.dtype) -> bool:
         # The kernel attends each query row over the same key tiles in the same order, whatever the

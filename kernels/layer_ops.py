@@ -17,7 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from .attention import ONE_BYTE_DTYPES, cache_head_dim
+from .attention import CODED_CACHE_DTYPES, cache_head_dim
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +151,9 @@ class CpuLayerOps(TorchLayerOps):
         # One pass instead of rotary(q), rotary(k) and reshape_and_cache: no k temporary, one
         # parallel region instead of three (~90 -> ~50 us a layer in a 256-sequence decode step).
         positions, cos_table, sin_table, _ = rope
-        one_byte = key_cache.dtype in (*ONE_BYTE_DTYPES, torch.int8) and qkv.dtype in (torch.bfloat16, torch.float32)
+        coded = key_cache.dtype in CODED_CACHE_DTYPES and qkv.dtype in (torch.bfloat16, torch.float32)
         if (qkv.dtype not in self._DTYPES or qkv.dim() != 2 or qkv.stride(-1) != 1
-                or not (key_cache.dtype == qkv.dtype or one_byte) or key_cache.device.type != "cpu" or not key_cache.is_contiguous()
+                or not (key_cache.dtype == qkv.dtype or coded) or key_cache.device.type != "cpu" or not key_cache.is_contiguous()
                 or not value_cache.is_contiguous() or slot_mapping.dtype != torch.int64):
             return None
         q = torch.empty((qkv.shape[0], num_heads, cache_head_dim(key_cache)), dtype=qkv.dtype)

@@ -240,8 +240,7 @@ inline __attribute__((always_inline)) __m256 e4m3x8_to_ps_scaled(__m128i code_hi
 inline V16 vload(const i8s_t* p) {
   const auto* b = reinterpret_cast<const __m128i*>(p);
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(b))),
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
-              reinterpret_cast<const int8_t*>(p) + 8))))};
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
 }
 inline V16 vload_e4m3_scaled(const f8e4m3_t* p) {  // the values times 2^-8
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -660,6 +659,23 @@ PAGODA_INLINE void span_row_scales(const SpanArgs& A, int kh, int D, float* ksca
 
 // Online-softmax update of one head over the span's scores s[0..1] (lanes >= n of the span masked):
 // returns the rescale factor of the accumulators and leaves the probabilities in e[0..1].
+PAGODA_INLINE float softmax_span(V16* s, int n, float qscale, float& m, V16& lsum, V16* e);
+// softmax_span, with an int8 cache's scales (span_row_scales) around it for kI8: the K scales on the
+// scores, the V scales on the probabilities after the sums took them.
+template <int F8>
+PAGODA_INLINE float softmax_span_scaled(V16* s, int n, float qscale, float& m, V16& lsum, V16* e,
+                                        const float* kscale, const float* vscale) {
+  if constexpr (F8 == kI8) {
+    s[0] = vmul(s[0], vload(kscale));
+    s[1] = vmul(s[1], vload(kscale + kTile));
+  }
+  const float alpha = softmax_span(s, n, qscale, m, lsum, e);
+  if constexpr (F8 == kI8) {
+    e[0] = vmul(e[0], vload(vscale));
+    e[1] = vmul(e[1], vload(vscale + kTile));
+  }
+  return alpha;
+}
 PAGODA_INLINE float softmax_span(V16* s, int n, float qscale, float& m, V16& lsum, V16* e) {
   const V16 vscale = vset1(qscale);
   s[0] = vmask_ninf(vmul(s[0], vscale), std::min(n, kTile));
@@ -843,16 +859,8 @@ void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, 
     for (int j = 0; j < NH; ++j) {
       const V16* tj = tmp + (kh * NH + j) * kSpan;
       V16 s[2] = {hsum16(tj), n > kTile ? hsum16(tj + kTile) : vzero()};
-      if constexpr (F8 == kI8) {
-        s[0] = vmul(s[0], vload(kscale));
-        s[1] = vmul(s[1], vload(kscale + kTile));
-      }
       V16 e[2];
-      alpha[j] = softmax_span(s, n, A.qscale, m[kh * g + j], lsum[kh * g + j], e);
-      if constexpr (F8 == kI8) {
-        e[0] = vmul(e[0], vload(vscale));
-        e[1] = vmul(e[1], vload(vscale + kTile));
-      }
+      alpha[j] = softmax_span_scaled<F8>(s, n, A.qscale, m[kh * g + j], lsum[kh * g + j], e, kscale, vscale);
       if constexpr (kSpanScale<VC> != 1.f) {  // V read at 2^-8 of its values (vload_span)
         e[0] = vmul(e[0], vset1(kSpanScale<VC>));
         e[1] = vmul(e[1], vset1(kSpanScale<VC>));
@@ -927,9 +935,8 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
   for (int kh = 0; kh < (NKV ? NKV : A.nkv); ++kh) {
     alignas(64) uint16_t p16[NH][2 * kTile];
     float alpha[NH];
-    // int8 codes: each token's K scale multiplies its scores, its V scale its probability (before P
-    // is rounded to bf16); the softmax's sums take the probabilities unscaled.
-    alignas(64) float kscale[kSpan], vscale[kSpan];
+    alignas(64) float kscale[kSpan], vscale[kSpan];  // int8 codes: each token's scales (applied before
+                                                     // P is rounded to bf16)
     if constexpr (F8 == kI8) span_row_scales(A, kh, D, kscale, vscale);
     for (int j = 0; j < NH; ++j) {
       const V16* tj = tmp + (kh * NH + j) * kSpan;
@@ -941,16 +948,8 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
         s[0] = hsum16(tj);
         s[1] = n > kTile ? hsum16(tj + kTile) : vzero();
       }
-      if constexpr (F8 == kI8) {
-        s[0] = vmul(s[0], vload(kscale));
-        s[1] = vmul(s[1], vload(kscale + kTile));
-      }
       V16 e[2];
-      alpha[j] = softmax_span(s, n, A.qscale, m[kh * g + j], lsum[kh * g + j], e);
-      if constexpr (F8 == kI8) {
-        e[0] = vmul(e[0], vload(vscale));
-        e[1] = vmul(e[1], vload(vscale + kTile));
-      }
+      alpha[j] = softmax_span_scaled<F8>(s, n, A.qscale, m[kh * g + j], lsum[kh * g + j], e, kscale, vscale);
       const __m512i pw = (__m512i)_mm512_cvtne2ps_pbh(e[1].v, e[0].v);
       if constexpr (pagoda::f8_codes(F8))
         _mm512_store_si512(p16[j], f8_scale_p<F8>(pw));
@@ -1538,30 +1537,24 @@ bool decode_supports_int8(c10::ScalarType q) { return decode_supports_f8(q); }
 bool decode_f8_flushes_subnormals(c10::ScalarType q) { return q == at::kBFloat16 && PAGODA_DPBF16; }
 
 void check_paged_inputs(const char* name, const at::Tensor& q, const at::Tensor& key_cache,
-                        const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        bool one_byte_cache = false, bool int8_cache = false) {
+                        const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens) {
   TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(),
               name, ": CPU tensors expected");
   TORCH_CHECK(q.dim() == 3, name, ": q must be 3-d, got ", q.sizes());
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "key_cache / value_cache must be [num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), name, ": key_cache and value_cache must share a dtype");
-  const bool i8 = int8_cache && key_cache.scalar_type() == at::kChar;
-  if (i8) {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, name,
-                ": an int8 cache takes bfloat16 or float32 q, got ", q.scalar_type());
-    TORCH_CHECK(decode_supports_int8(q.scalar_type()), name, ": an int8 cache with ", q.scalar_type(),
-                " q needs a CPU with AVX512-BF16 (bfloat16 q) or a build for AVX2");
-  } else if (one_byte_cache && one_byte_dtype(key_cache.scalar_type())) {
-    const char* cache = key_cache.scalar_type() == at::kFloat8_e5m2 ? "float8_e5m2" : "float8_e4m3fn";
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, name, ": a ", cache,
+  const bool i8 = key_cache.scalar_type() == at::kChar;
+  if (pagoda::coded_dtype(key_cache.scalar_type())) {  // one-byte or int8 codes
+    const char* cache = i8 ? "an int8" : key_cache.scalar_type() == at::kFloat8_e5m2 ? "a float8_e5m2" : "a float8_e4m3fn";
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, name, ": ", cache,
                 " cache takes bfloat16 or float32 q, got ", q.scalar_type());
-    TORCH_CHECK(decode_supports_f8(q.scalar_type()), name, ": a ", cache, " cache with ", q.scalar_type(),
+    TORCH_CHECK(decode_supports_f8(q.scalar_type()), name, ": ", cache, " cache with ", q.scalar_type(),
                 " q needs a CPU with AVX512-BF16 (bfloat16 q) or a build for AVX2");
   } else {
-    TORCH_CHECK(key_cache.scalar_type() == q.scalar_type(), name, ": q and the caches must have the same dtype",
-                one_byte_cache ? " (or float8_e5m2 / float8_e4m3fn caches)" : "", ", got ", q.scalar_type(),
-                " and ", key_cache.scalar_type());
+    TORCH_CHECK(key_cache.scalar_type() == q.scalar_type(), name,
+                ": q and the caches must have the same dtype (or float8_e5m2 / float8_e4m3fn / int8 caches), got ",
+                q.scalar_type(), " and ", key_cache.scalar_type());
   }
   TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "cache head_dim must be contiguous");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
@@ -1601,7 +1594,7 @@ void check_block_ids(const at::Tensor& block_tables, const at::Tensor& seq_lens,
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                             at::Tensor& out, int64_t num_threads) {
-  check_paged_inputs("paged_decode_attention", q, key_cache, value_cache, block_tables, seq_lens, true, true);
+  check_paged_inputs("paged_decode_attention", q, key_cache, value_cache, block_tables, seq_lens);
   TORCH_CHECK(q.is_contiguous(), "q must be a contiguous [B, H, D] tensor");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
               "out must be contiguous, with q's shape and dtype");
@@ -2430,7 +2423,7 @@ bool prefill_supported(at::ScalarType dtype) {
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                              const at::Tensor& seq_lens, double scale, at::Tensor& out, int64_t num_threads) {
-  check_paged_inputs("paged_prefill_attention", q, key_cache, value_cache, block_tables, seq_lens, true, true);
+  check_paged_inputs("paged_prefill_attention", q, key_cache, value_cache, block_tables, seq_lens);
   TORCH_CHECK(prefill_supported(q.scalar_type()), "paged_prefill_attention: dtype ", q.scalar_type(),
               " not supported on this CPU build");
   TORCH_CHECK(q.stride(2) == 1, "q must be [T, H, D] with head_dim contiguous");
