@@ -13,8 +13,8 @@ the bytes it reads (2 or 4 bytes a value, or 1), and the model dtype's time over
 give the same bits where the codes' values are what the bf16 cache holds (tests/test_cpu_attention.py);
 here the bf16 cache holds random values, which the codes round. ``--baseline OLD.cpp`` (another
 revision's kernels/csrc/paged_attention_cpu.cpp, built as its own extension) also runs its decode
-kernel on the e5m2 and e4m3 codes in the same turns: before / after on the one-byte caches in one
-process.
+kernel on the e5m2 and e4m3 codes (and the int8 ones, where this build reads them) in the same
+turns: before / after on the coded caches in one process.
 """
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def main() -> int:
     header = (f"{'model':8} {'H/KV/D':>10} {'batch':>5} {'ctx':>5} | {name + ' ms':>8} {'GB/s':>6} | "
               f"{'e5m2 ms':>8} {'GB/s':>6} | {'e4m3 ms':>8} {'GB/s':>6} | {name + ' / e5m2':>11} {name + ' / e4m3':>11}"
               + (f" | {'int8 ms':>8} {'GB/s':>6} {name + ' / int8':>11}" if int8 else "")
-              + (" | before e5m2, e4m3 ms | before / e5m2, e4m3" if baseline else ""))
+              + (" | before e5m2, e4m3 ms | before / e5m2, e4m3" if baseline else "")
+              + (" | before int8 ms, before / int8" if baseline and int8 else ""))
     print(header)
     print("-" * len(header))
     for label, h, kvh, d, batch, ctx in kernel_bench.CASES:
@@ -91,7 +92,11 @@ def main() -> int:
         def i8(k, v):
             paged_decode_attention(q, *codes["int8"][id(k)], bt, sl, scale, out=out)
 
-        fns = [model, e5m2, e4m3] + ([i8] if int8 else []) + ([before_e5m2, before_e4m3] if baseline else [])
+        def before_i8(k, v):
+            baseline.paged_decode_attention(q, *codes["int8"][id(k)], bt, sl, scale, out, torch.get_num_threads())
+
+        fns = ([model, e5m2, e4m3] + ([i8] if int8 else []) + ([before_e5m2, before_e4m3] if baseline else [])
+               + ([before_i8] if baseline and int8 else []))
         t16, t5, t4, *rest = kernel_bench.time_interleaved(fns, caches, args.reps, args.stat)
         t_i8, t_old = (rest[0], rest[1:]) if int8 else (None, rest)
         code_bytes = nbytes / dtype.itemsize
@@ -99,6 +104,8 @@ def main() -> int:
                   if int8 else "")
         old = (f" | {t_old[0] * 1e3:9.2f}, {t_old[1] * 1e3:8.2f} | {t_old[0] / t5:11.3f}x, {t_old[1] / t4:.3f}x"
                if baseline else "")
+        if baseline and int8:
+            old += f" | {t_old[2] * 1e3:8.2f}, {t_old[2] / t_i8:.3f}x"
         print(f"{label:8} {f'{h}/{kvh}/{d}':>10} {batch:5d} {ctx:5d} | {t16 * 1e3:8.2f} {nbytes / t16 / 1e9:6.1f} | "
               f"{t5 * 1e3:8.2f} {code_bytes / t5 / 1e9:6.1f} | {t4 * 1e3:8.2f} {code_bytes / t4 / 1e9:6.1f} | "
               f"{t16 / t5:10.2f}x {t16 / t4:10.2f}x{i8_col}{old}", flush=True)
