@@ -511,17 +511,11 @@ inline void cache_row(const T* row, C* slot, int64_t n) {
   }
 }
 
-// Elements between a cache's consecutive kv-head rows: dim, and an int8 cache's scale after each.
-template <typename C>
-constexpr int64_t cache_head_stride(int64_t dim) {
-  return dim + (pagoda::f8_kind<C>() == pagoda::kI8 ? pagoda::kRowScaleBytes : 0);
-}
-
 // One kv head's row of dim values into a cache of C at (slot, head h): copied, as one-byte codes,
 // or as int8 codes and their scale.
 template <typename T, typename C>
 inline void cache_head(const T* row, C* cache, int64_t slot, int64_t h, int64_t kv_heads, int64_t dim) {
-  C* at = cache + (slot * kv_heads + h) * cache_head_stride<C>(dim);
+  C* at = cache + (slot * kv_heads + h) * pagoda::cache_head_stride<C>(dim);
   if constexpr (pagoda::f8_kind<C>() == pagoda::kI8)
     i8_row(row, reinterpret_cast<int8_t*>(at), dim);
   else

@@ -1252,7 +1252,8 @@ bool run_item(const Params& P, const T* q, const C* kc, const C* vc, int b, int 
   // 1.14x; from DRAM (two cores) 0.98-1.08x in isolation and 0.99x over a W run (bench/
   // decode_kernel_ab.py): there the reads, not the bookkeeping, set the pace. Distance: 24 KB beat
   // 8, 16, 32, 48, 64 and 96 KB on short contexts.
-  const int run = static_cast<int>(((nkv - 1) * P.ks2 + D) * elt);  // bytes of a token's row, item's kv heads
+  const int64_t head_row = pagoda::cache_head_stride<C>(D);  // a kv head's row (with an int8 row's scale)
+  const int run = static_cast<int>(((nkv - 1) * P.ks2 + head_row) * elt);  // bytes of a token's row, item's kv heads
   // At least a span: a call over some of the kv heads must reach past the span it attends (the
   // other kv heads' calls come between). Llama-8B shapes (4 calls a span; `ahead` would be 6 tokens
   // otherwise), one core: 1.44x.
@@ -1324,7 +1325,7 @@ bool run_item(const Params& P, const T* q, const C* kc, const C* vc, int b, int 
           vpf_g[t] = vpf[t] ? static_cast<const C*>(vpf[t]) + kg * P.vs2 : nullptr;
         }
       }
-      A.pf_bytes = static_cast<int>(D * elt);  // a kv head's part of a row, prefetched by its pass
+      A.pf_bytes = static_cast<int>(head_row * elt);  // a kv head's part of a row, prefetched by its pass
       bool first = true;  // the first row attending this span prefetches for it
       for (int r = 0; r < nr; ++r) {
         A.n = std::min(span, t1_first + r - ts);  // row r's tokens of the span

@@ -38,6 +38,11 @@ constexpr int f8_kind() {
 }
 // Float8 codes (read as words of their values times a power of two), not int8 ones.
 constexpr bool f8_codes(int kind) { return kind == kE5M2 || kind == kE4M3; }
+// Elements between a cache's consecutive kv-head rows: dim, and an int8 cache's scale after each.
+template <typename C>
+constexpr int64_t cache_head_stride(int64_t dim) {
+  return dim + (f8_kind<C>() == kI8 ? kRowScaleBytes : 0);
+}
 // A row's scale, stored after its head_dim codes.
 inline float row_scale(const void* row, int64_t head_dim) {
   float s;
