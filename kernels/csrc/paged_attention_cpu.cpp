@@ -2303,7 +2303,7 @@ void prefill_item(const PrefillParams& P, const T* q, const C* kc, const C* vc, 
   // keys per panel while this one is computed (a long sequence's K/V is not in L2).
   const C* rows_a[2][kKeyTile];
   const C* rows_b[2][kKeyTile];
-  const int row_bytes = D * static_cast<int>(sizeof(C));
+  const int row_bytes = static_cast<int>(pagoda::cache_head_stride<C>(D) * sizeof(C));  // with an int8 row's scale
   const int npanels = rows_p / panel;
   const int pf_per_panel = (kKeyTile + npanels - 1) / npanels;
   key_rows<C>(P, kc, vc, bt, it.kh, 0, std::min(kKeyTile, kend), rows_a[0], rows_b[0]);
