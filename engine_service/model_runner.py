@@ -52,7 +52,6 @@ def kv_bytes_per_block(model_config, config: EngineConfig) -> int:
         cache_row_elems(head_dim, config.torch_kv_cache_dtype))
 
 
-
 class ModelRunner:
     """Owns the model, the paged KV cache, the attention backend and the sampler."""
 

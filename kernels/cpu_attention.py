@@ -266,8 +266,8 @@ class CpuAttention(TorchAttention):
 
     def reads_cache_dtype(self, cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
         # A one-byte or int8 cache with a bf16 or float32 model, where the build's kernels read it.
-        coded = (cache_dtype in CODED_CACHE_DTYPES and dtype in (torch.bfloat16, torch.float32)
-                 and decode_supports_f8(dtype))
+        supports = decode_supports_int8 if cache_dtype == torch.int8 else decode_supports_f8
+        coded = cache_dtype in CODED_CACHE_DTYPES and dtype in (torch.bfloat16, torch.float32) and supports(dtype)
         return coded or super().reads_cache_dtype(cache_dtype, dtype)
 
     def prefill_rows_independent(self, dtype: torch.dtype) -> bool:
