@@ -21,6 +21,11 @@ Formats (a scale per row = per token and kv head, over head_dim values):
   +flush               after any of them: codes below 2^-6 (e4m3) or 2^-14 (e5m2) in magnitude
                        read as zero, as the bf16 decode kernel with vdpbf16ps reads them
   K/V                  K through format K, V through format V ("none": as the model dtype's cache)
+  ...+q8               (a whole entry's suffix) the queries too: each query head's head_dim values as
+                       int8 codes with a float32 scale (largest magnitude / 127), as a kernel taking
+                       Q K^T in int8 dot products (vpdpbusd) would read them; in decode, and in the
+                       teacher-forced measure's prompt steps (each position there stands for the
+                       decode step that would have produced it)
 
 With a bf16 model the dequantized values are rounded to bf16 again to sit in the cache (a kernel
 would apply a float32 scale in float32 instead); e5m2+flush and e4m3+flush are what Pagoda's
@@ -79,12 +84,21 @@ def round_through(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def kv_formats(fmt: str) -> tuple[str, str]:
     """A --formats entry as (K's format, V's format)."""
-    k, _, v = fmt.partition("/")
+    k, _, v = fmt.removesuffix("+q8").partition("/")
     return k, v or k
 
 
+def round_queries(q: torch.Tensor) -> torch.Tensor:
+    """Queries [..., head_dim] as int8 codes with a float32 scale a head hold them, back in q's dtype."""
+    return round_through(q, "int8-token")
+
+
+QUERIES = {"prefill": False}  # whether prefill steps round their queries too (the teacher-forced measure)
+
+
 def simulate(fmt: str | None) -> None:
-    """Has the engine's K/V writers round what they write through ``fmt`` (None: leave it)."""
+    """Has the engine's K/V writers round what they write through ``fmt`` (None: leave it), and with
+    "+q8" decode attention (prefill too while QUERIES["prefill"]) its queries."""
     import pagoda_kernels.cpu_attention as cpu_attention
     import pagoda_kernels.layer_ops as layer_ops
     from engine_service.models import llama
@@ -106,6 +120,16 @@ def simulate(fmt: str | None) -> None:
         setattr(cls, name, write)
 
     wrap(cpu_attention.CpuAttention, "write_kv")
+    q8 = fmt is not None and fmt.endswith("+q8")
+    for name in ("decode", "prefill"):
+        original = getattr(cpu_attention.CpuAttention, f"_sim_{name}", None) or getattr(cpu_attention.CpuAttention, name)
+        setattr(cpu_attention.CpuAttention, f"_sim_{name}", original)
+
+        def attend(self, q, *args, _original=original, _name=name, **kwargs):
+            if q8 and (_name == "decode" or QUERIES["prefill"]):
+                q = round_queries(q)
+            return _original(self, q, *args, **kwargs)
+        setattr(cpu_attention.CpuAttention, name, attend)
     wrap(layer_ops.CpuLayerOps, "rotary_qkv_to_cache")
     wrap(layer_ops.CpuLayerOps, "gemm_linear_rotary_qkv_to_cache")
 
@@ -134,7 +158,9 @@ def main() -> int:
         outputs[fmt] = [list(o.outputs[0].token_ids) for o in results]
         if prompt_ids is None:
             prompt_ids = [list(o.prompt_token_ids) for o in results]
+        QUERIES["prefill"] = True
         forced[fmt] = teacher_forced(llm, SamplingParams, prompt_ids, outputs[None])
+        QUERIES["prefill"] = False
         del llm
         if fmt is not None:
             report(f"simulated {fmt}, 32 English instructions, {args.dtype}", outputs[None], outputs[fmt],

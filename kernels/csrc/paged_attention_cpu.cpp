@@ -11,8 +11,9 @@
 // item walks its sequence's tokens in spans of 32 (16 when many heads share a pass) and processes
 // the g = H / kvh query heads sharing a kv head together, so each K/V row is loaded from memory once
 // for all of them; the scores read each token's K rows of all the item's kv heads in one go (address
-// order). Online softmax (running max / sum), fp32 accumulators; bf16 uses vdpbf16ps for Q K^T and,
-// with P rounded to bf16, for P V (SmolLM2's shapes: two tokens a score vector, all of a V row's
+// order). Online softmax (running max / sum), fp32 accumulators; bf16 uses vdpbf16ps for Q K^T (on
+// an int8 cache vpdpbusd, on the codes, against two int8 digits of each query) and, with P rounded
+// to bf16, for P V (SmolLM2's shapes: two tokens a score vector, all of a V row's
 // chunks in one walk over the span). Blocks sit at random places, out of reach of the hardware
 // prefetchers, so each kv head's pass requests into L2 its part of the K and V rows a span or more
 // (~24 KB) ahead, one row per token of arithmetic, and on into the first rows of the item its thread
@@ -377,7 +378,9 @@ inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 #endif
 
-#if PAGODA_AVX512 && defined(__AVX512BF16__) && defined(__AVX512BW__)
+// (Every CPU with AVX512-BF16 has AVX512-VNNI too, which an int8 cache's scores use: Cooper Lake,
+// Sapphire Rapids and later, Zen 4 and later.)
+#if PAGODA_AVX512 && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PAGODA_DPBF16 1
 #else
 #define PAGODA_DPBF16 0
@@ -516,18 +519,14 @@ PAGODA_INLINE __m512i f8_load32(const uint8_t* p) {
 // 16 codes at p0 and 16 at p1 -> 16 words each, in the low and the high half.
 template <int F8>
 PAGODA_INLINE __m512i f8_load16x2(const uint8_t* p0, const uint8_t* p1) {
-  if constexpr (F8 == kI8) {
-    return (__m512i)_mm512_cvtne2ps_pbh(i8_values16(p1), i8_values16(p0));
-  } else {
-    const __m256i b = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
+  static_assert(pagoda::f8_codes(F8), "an int8 cache's scores run on its codes (span_scores)");
+  const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
 #if PAGODA_F8_VBMI
-    return f8_permute<F8>(kF8Plain, _mm512_castsi256_si512(b));
+  return f8_permute<F8>(kF8Plain, _mm512_castsi256_si512(b));
 #else
-    return f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
+  return f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
 #endif
-  }
 }
 // 32 codes of token a and 32 of token b (pb null: zeros) -> the words unpacklo_epi16 /
 // unpackhi_epi16 of their f8_load32 words give, straight from the codes where vpermb is there.
@@ -599,6 +598,63 @@ inline bf16_t f8_scale_query(bf16_t q) {
   if (exp == 0) return bf16_t{sign};
   if (exp + kF8QueryShift >= 255) return bf16_t{static_cast<uint16_t>(sign | 0x7F7F)};
   return bf16_t{static_cast<uint16_t>(u + (kF8QueryShift << 7))};
+}
+#endif
+
+// An int8 cache's Q K^T in integer dot products (AVX512-VNNI's vpdpbusd, 64 code products a uop,
+// no widening of the codes), bf16 queries: each query head is held as two int8 digits a value,
+// q ~ s (hi + lo / 256) with s its largest magnitude / 127, |hi| <= 127 and lo the remainder's
+// 256ths (|q - s (hi + lo / 256)| <= s / 512 = 2^-16 of the largest: finer than q's own bf16
+// rounding for all but its smallest values). vpdpbusd multiplies unsigned bytes by signed ones,
+// so the K codes go in with their sign bit flipped (code + 128) and the 128 x the digits' sum each
+// row picks up comes off the scores afterwards (I8Query::bias). The products and their sums are
+// exact integers; only the final lo / 256 combination rounds.
+template <int F8>
+constexpr bool kI8Dot = PAGODA_DPBF16 && F8 == kI8;
+// A query head's digits, in its float32 query slot (Scratch::qf, 4 x head_dim bytes): hi codes
+// [0, D), lo codes [D, 2D), then this.
+struct I8Query {
+  float scale;  // s: a score is s x (its digits' products, in hi units, less bias) x the K row's scale
+  float bias;   // 128 x (sum of hi + sum of lo / 256)
+};
+inline const I8Query& i8_query(const float* slot, int D) {
+  return *reinterpret_cast<const I8Query*>(reinterpret_cast<const char*>(slot) + 2 * D);
+}
+#if PAGODA_DPBF16
+// Head_dim (a multiple of 16) bf16 queries -> their digits and I8Query in slot. A query holding a
+// NaN or an infinity gets a NaN scale, so its scores (and output) are NaN as with bf16 products.
+inline void i8_query_digits(const bf16_t* q, int D, float* slot) {
+  auto* hi = reinterpret_cast<int8_t*>(slot);
+  int8_t* lo = hi + D;
+  __m512 vmax = _mm512_setzero_ps();
+  __mmask16 finite = 0xFFFF;  // lanes below infinity in magnitude (false for NaN)
+  for (int i = 0; i < D; i += 16) {
+    const __m512 a = _mm512_abs_ps(vload(q + i).v);
+    finite &= _mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+    vmax = _mm512_max_ps(vmax, a);
+  }
+  const float amax = finite == 0xFFFF ? _mm512_reduce_max_ps(vmax) : std::numeric_limits<float>::quiet_NaN();
+  // Below 2^-120 (a query of bf16 subnormals and the like, zero to vdpbf16ps too), or NaN: digits 0.
+  const bool tiny = !(amax >= 0x1p-120f);
+  const __m512 inv = _mm512_set1_ps(tiny ? 0.f : 127.f / amax);
+  const __m512 top = _mm512_set1_ps(127.f), bottom = _mm512_set1_ps(-127.f), k256 = _mm512_set1_ps(256.f);
+  __m512i shi = _mm512_setzero_si512(), slo = _mm512_setzero_si512();
+  for (int i = 0; i < D; i += 16) {
+    const __m512 x = _mm512_mul_ps(vload(q + i).v, inv);
+    const __m512 h = _mm512_min_ps(top, _mm512_max_ps(bottom, _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT)));
+    const __m512 l = _mm512_min_ps(top, _mm512_max_ps(bottom, _mm512_roundscale_ps(
+                                                                  _mm512_mul_ps(_mm512_sub_ps(x, h), k256),
+                                                                  _MM_FROUND_TO_NEAREST_INT)));
+    const __m512i hi32 = _mm512_cvtps_epi32(h), lo32 = _mm512_cvtps_epi32(l);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), _mm512_cvtepi32_epi8(hi32));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i), _mm512_cvtepi32_epi8(lo32));
+    shi = _mm512_add_epi32(shi, hi32);
+    slo = _mm512_add_epi32(slo, lo32);
+  }
+  I8Query& d = *reinterpret_cast<I8Query*>(reinterpret_cast<char*>(slot) + 2 * D);
+  d.scale = tiny && !std::isnan(amax) ? 0.f : amax / 127.f;
+  d.bias = 128.f * (static_cast<float>(_mm512_reduce_add_epi32(shi)) +
+                    static_cast<float>(_mm512_reduce_add_epi32(slo)) / 256.f);
 }
 #endif
 
@@ -704,6 +760,44 @@ PAGODA_INLINE float softmax_span(V16* s, int n, float qscale, float& m, V16& lsu
   return alpha;
 }
 
+#if PAGODA_DPBF16
+// span_scores for an int8 cache in integer dot products (i8_query_digits), one token a vector: a
+// kv head's row in 64-code chunks (the last one masked), tmp[(kh * NH + j) * kSpan + t] gets the
+// 16-lane partial sums in hi units (the bias still on).
+template <int NH>
+PAGODA_INLINE void span_scores_i8dot(const SpanArgs& A, const float* qf, V16* tmp) {
+  const int D = A.D, n = A.n, nkv = A.nkv, g = A.g;
+  const auto* const* krc = reinterpret_cast<const uint8_t* const*>(A.krow);
+  const auto* const* kpc = reinterpret_cast<const uint8_t* const*>(A.kpf);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512 lo_unit = _mm512_set1_ps(1.f / 256.f);
+  const int nc = (D + 63) / 64;
+  const __mmask64 last = D % 64 ? (__mmask64{1} << (D % 64)) - 1 : ~__mmask64{0};
+  for (int t = 0; t < n; ++t) {
+    for (int kh = 0; kh < nkv; ++kh) {
+      if (kpc && kpc[t]) prefetch_range_l2(kpc[t] + kh * A.ks2, A.pf_bytes);
+      const uint8_t* kp = krc[t] + kh * A.ks2;
+      __m512i ph[NH], pl[NH];
+      for (int j = 0; j < NH; ++j) ph[j] = pl[j] = _mm512_setzero_si512();
+      for (int c = 0; c < nc; ++c) {
+        const __mmask64 mask = c + 1 < nc ? ~__mmask64{0} : last;  // (the query's digits past D: zero)
+        const __m512i kv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, kp + c * 64), flip);
+        for (int j = 0; j < NH; ++j) {
+          const auto* digits = reinterpret_cast<const uint8_t*>(qf + (static_cast<size_t>(kh) * g + j) * D);
+          ph[j] = _mm512_dpbusd_epi32(ph[j], kv, _mm512_maskz_loadu_epi8(mask, digits + c * 64));
+          pl[j] = _mm512_dpbusd_epi32(pl[j], kv, _mm512_maskz_loadu_epi8(mask, digits + D + c * 64));
+        }
+      }
+      for (int j = 0; j < NH; ++j)
+        tmp[(kh * NH + j) * kSpan + t].v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pl[j]), lo_unit, _mm512_cvtepi32_ps(ph[j]));
+    }
+  }
+  const int nfill = n <= kTile ? kTile : kSpan;
+  for (int r = 0; r < nkv * NH; ++r)
+    for (int t = n; t < nfill; ++t) tmp[r * kSpan + t] = vzero();
+}
+#endif
+
 // Scores of a span: token by token, and within a token kv head by kv head, so the K rows are read in
 // address order (one contiguous run per token in the usual layout; SmolLM2 shapes, one core,
 // DRAM-bound: ~15% faster than one kv head's rows at a time). tmp[(kh * NH + j) * kSpan + t] gets
@@ -724,7 +818,61 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
   using CE = std::conditional_t<F8 != kNoF8, uint8_t, bf16_t>;  // a cache element as the bf16 paths read it
   [[maybe_unused]] const CE* const* krc = reinterpret_cast<const CE* const*>(A.krow);
   [[maybe_unused]] const CE* const* kpc = reinterpret_cast<const CE* const*>(A.kpf);
-  if constexpr (std::is_same_v<T, bf16_t> && NKV > 0) {
+  if constexpr (kI8Dot<F8> && std::is_same_v<T, bf16_t> && NKV > 0) {
+    // An int8 cache in integer dot products (i8_query_digits), two tokens a vector as below: 32
+    // codes of token t in the low half and of token t + 1 in the high, against a 32-code chunk of
+    // each digit of the query in both halves.
+    static_assert(DT > 0 && DT % 32 == 0, "paired int8 tokens need a compile-time head_dim, a multiple of 32");
+    constexpr int NQ = DT / 32;
+    (void)qraw;
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512i qh[NKV][NH][NQ], ql[NKV][NH][NQ];
+    for (int kh = 0; kh < NKV; ++kh)
+      for (int j = 0; j < NH; ++j) {
+        const auto* digits = reinterpret_cast<const uint8_t*>(qf + (static_cast<size_t>(kh) * g + j) * DT);
+        for (int c = 0; c < NQ; ++c) {
+          qh[kh][j][c] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(digits + c * 32)));
+          ql[kh][j][c] =
+              _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(digits + DT + c * 32)));
+        }
+      }
+    const __m512 lo_unit = _mm512_set1_ps(1.f / 256.f);
+    const int npairs = (n + 1) / 2;
+    for (int p = 0; p < npairs; ++p) {
+      const int t = 2 * p;
+      const bool two = t + 1 < n;
+      const CE* kr0 = krc[t];
+      const CE* kr1 = two ? krc[t + 1] : kr0;
+      const CE* pf0 = kpc ? kpc[t] : nullptr;
+      const CE* pf1 = kpc && two ? kpc[t + 1] : nullptr;
+#pragma GCC unroll 16
+      for (int kh = 0; kh < NKV; ++kh) {
+        if (pf0) prefetch_range_l2(pf0 + kh * A.ks2, A.pf_bytes);
+        if (pf1) prefetch_range_l2(pf1 + kh * A.ks2, A.pf_bytes);
+        const CE* kp0 = kr0 + kh * A.ks2;
+        const CE* kp1 = kr1 + kh * A.ks2;
+        __m512i ph[NH], pl[NH];
+        for (int j = 0; j < NH; ++j) ph[j] = pl[j] = _mm512_setzero_si512();
+        for (int c = 0; c < NQ; ++c) {
+          const __m512i kv = _mm512_xor_si512(
+              _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp0 + c * 32))),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp1 + c * 32)), 1),
+              flip);
+          for (int j = 0; j < NH; ++j) {
+            ph[j] = _mm512_dpbusd_epi32(ph[j], kv, qh[kh][j][c]);
+            pl[j] = _mm512_dpbusd_epi32(pl[j], kv, ql[kh][j][c]);
+          }
+        }
+        for (int j = 0; j < NH; ++j)
+          tmp[(kh * NH + j) * kSpan + p].v =
+              _mm512_fmadd_ps(_mm512_cvtepi32_ps(pl[j]), lo_unit, _mm512_cvtepi32_ps(ph[j]));
+      }
+    }
+    const int nfill = (n <= kTile ? kTile : kSpan) / 2;
+    for (int r = 0; r < NKV * NH; ++r)
+      for (int p = npairs; p < nfill; ++p) tmp[r * kSpan + p] = vzero();
+    return;
+  } else if constexpr (std::is_same_v<T, bf16_t> && NKV > 0) {
     // Two tokens a vector: the low 256 bits hold token t's part of a chunk, the high token t + 1's,
     // against the queries' chunk in both halves, so a token's products land in 8 lanes, not 16, and
     // hsum_pairs has half the reduction tree to run. tmp[(kh * NH + j) * kSpan + t / 2] gets the
@@ -772,7 +920,10 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
       for (int p = npairs; p < nfill; ++p) tmp[r * kSpan + p] = vzero();
     return;
   }
-  if constexpr (std::is_same_v<T, bf16_t>) {  // one token a vector
+  if constexpr (kI8Dot<F8> && std::is_same_v<T, bf16_t>) {  // int8 dot products, one token a vector
+    span_scores_i8dot<NH>(A, qf, tmp);
+    return;
+  } else if constexpr (std::is_same_v<T, bf16_t>) {  // one token a vector
     (void)qf;
     const int nc = D / 32;
     for (int t = 0; t < n; ++t) {
@@ -917,8 +1068,9 @@ void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, 
 //
 // F8: the cache holds one-byte codes, read as bf16 words of their values times 2^-112 or 2^-120
 // (f8_words), with qraw scaled by 2^112 (run_item) and P scaled here: the same bits as a bf16 cache
-// of their values. kI8: int8 codes as bf16 words of their values (f8_load32 and the like), each
-// token's scales applied to its scores and to its probability here.
+// of their values. kI8: the scores from the K codes in integer dot products (span_scores,
+// i8_query_digits), V's codes as bf16 words of their values (f8_load32 and the like), each token's
+// scales applied to its scores and to its probability here.
 template <int NH, int DT, int NKV, int F8 = kNoF8>
 void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, float* acc, float* m, V16* lsum,
                       V16* tmp) {
@@ -948,8 +1100,15 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
         s[0] = hsum16(tj);
         s[1] = n > kTile ? hsum16(tj + kTile) : vzero();
       }
+      float qscale = A.qscale;
+      if constexpr (kI8Dot<F8>) {  // the scores in hi units, the bias still on (span_scores)
+        const I8Query& iq = i8_query(qf + (static_cast<size_t>(kh) * g + j) * D, D);
+        s[0] = vadd(s[0], vset1(-iq.bias));
+        s[1] = vadd(s[1], vset1(-iq.bias));
+        qscale *= iq.scale;
+      }
       V16 e[2];
-      alpha[j] = softmax_span_scaled<F8>(s, n, A.qscale, m[kh * g + j], lsum[kh * g + j], e, kscale, vscale);
+      alpha[j] = softmax_span_scaled<F8>(s, n, qscale, m[kh * g + j], lsum[kh * g + j], e, kscale, vscale);
       const __m512i pw = (__m512i)_mm512_cvtne2ps_pbh(e[1].v, e[0].v);
       if constexpr (pagoda::f8_codes(F8))
         _mm512_store_si512(p16[j], f8_scale_p<F8>(pw));
@@ -1224,6 +1383,10 @@ bool run_item(const Params& P, const T* q, const C* kc, const C* vc, int b, int 
       for (int i = 0; i < nheads * D; ++i) qs[i] = f8_scale_query(qb[i]);
       qrows[r] = qs;
     }
+#endif
+#if PAGODA_DPBF16
+    if constexpr (kI8Dot<F8> && std::is_same_v<T, bf16_t>)  // each head's digits in its float32 query slot
+      for (int h = 0; h < nheads; ++h) i8_query_digits(qb + static_cast<size_t>(h) * D, D, S[r].qf.data() + h * D);
 #endif
     if constexpr (!acc_permuted<T>())
       for (int i = 0; i < nheads * D; ++i) S[r].qf[i] = to_float(qb[i]);
