@@ -390,6 +390,24 @@ def test_int8_cache_scales_reach_scores_and_values(op, dtype):
                                                        0.125), **TOL[dtype])
 
 
+@pytest.mark.parametrize("h,kvh,d", F8_SHAPES, ids=[f"{h}x{kvh}x{d}" for h, kvh, d in F8_SHAPES])
+def test_int8_cache_bf16_output_is_as_close_as_its_rounding_allows(op, h, kvh, d):
+    """bf16 queries on an int8 cache: the kernel takes Q K^T and P V in integer dot products (the
+    queries as two int8 digits, P as int16 multiples of its largest / 32767), finer than bf16
+    operands, so its output misses the exact attention on the rows' values by no more than that
+    result's own rounding to bf16 does (on average; P rounded to bf16 misses by ~1.5x that)."""
+    if not decode_supports_int8(torch.bfloat16):
+        pytest.skip("this build does not read int8 caches with bf16 queries: the refusal is checked above")
+    q, kc, vc, bt, sl = make_inputs([700, 513, 64, 300, 1000, 33], h, kvh, d, 16, torch.bfloat16, poison=False,
+                                    seed=d + h, q_scale=6.0)
+    kc8, vc8 = int8_cache(kc), int8_cache(vc)
+    out = torch.empty_like(q)
+    op(q, kc8, vc8, bt, sl, 0.125, out, 1)
+    want = reference(q, dequantize_int8_rows(kc8), dequantize_int8_rows(vc8), bt, sl, 0.125)
+    rounding = (want.to(torch.bfloat16).double() - want).abs().mean()
+    assert (out.double() - want).abs().mean() <= 1.1 * rounding
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_int8_cache_writer_stores_the_reference_bytes(dtype):
     """reshape_and_cache into an int8 cache writes each row's codes and scale exactly as

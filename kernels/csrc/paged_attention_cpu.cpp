@@ -1059,6 +1059,32 @@ void attend_span(const SpanArgs& A, const float* qf, const T* qraw, float* acc, 
 }
 
 #if PAGODA_DPBF16
+// P @ V's accumulators over a span, 16 lanes of an accumulator row: float32 ones that start at the
+// row times alpha and take vdpbf16ps of bf16 P and V words; for an int8 cache (kI8Dot) int32 ones
+// that start at zero and take vpdpwssd of P as int16 multiples of its unit (its largest / 32767
+// a head and span, attend_span_bf16) and V's codes as int16 words, exact, added to the row times
+// alpha at the span's end. (P to 15 bits of its largest, where bf16 gives each value 8 of its own.)
+template <int F8>
+using PvAcc = std::conditional_t<kI8Dot<F8>, __m512i, __m512>;
+template <int F8>
+PAGODA_INLINE PvAcc<F8> pv_start(const float* row, float alpha) {
+  if constexpr (kI8Dot<F8>) return _mm512_setzero_si512();
+  else return _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_set1_ps(alpha));
+}
+template <int F8>
+PAGODA_INLINE PvAcc<F8> pv_dot(PvAcc<F8> acc, __m512i v, __m512i p) {
+  if constexpr (kI8Dot<F8>) return _mm512_dpwssd_epi32(acc, v, p);
+  else return _mm512_dpbf16_ps(acc, (__m512bh)v, (__m512bh)p);
+}
+template <int F8>
+PAGODA_INLINE void pv_finish(float* row, PvAcc<F8> acc, float alpha, float punit) {
+  if constexpr (kI8Dot<F8>)
+    _mm512_storeu_ps(row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(punit),
+                                          _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_set1_ps(alpha))));
+  else
+    _mm512_storeu_ps(row, acc);
+}
+
 // bf16 decode span. Scores: vdpbf16ps, 32 bf16 products per instruction straight from the cache
 // rows (bf16 x bf16 products are exact in fp32). P @ V: P rounded to bf16 (as FlashAttention does),
 // two tokens' V rows interleaved with unpacklo/hi_epi16 so one vdpbf16ps adds both tokens' terms for
@@ -1087,8 +1113,9 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
   for (int kh = 0; kh < (NKV ? NKV : A.nkv); ++kh) {
     alignas(64) uint16_t p16[NH][2 * kTile];
     float alpha[NH];
+    float punit[NH] = {};  // kI8Dot: P's unit (p16 holds int16 multiples of it)
     alignas(64) float kscale[kSpan], vscale[kSpan];  // int8 codes: each token's scales (applied before
-                                                     // P is rounded to bf16)
+                                                     // P is rounded)
     if constexpr (F8 == kI8) span_row_scales(A, kh, D, kscale, vscale);
     for (int j = 0; j < NH; ++j) {
       const V16* tj = tmp + (kh * NH + j) * kSpan;
@@ -1109,6 +1136,15 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
       }
       V16 e[2];
       alpha[j] = softmax_span_scaled<F8>(s, n, qscale, m[kh * g + j], lsum[kh * g + j], e, kscale, vscale);
+      if constexpr (kI8Dot<F8>) {  // P as int16 words in units of its largest / 32767 (pv_words)
+        const float pmax = _mm512_reduce_max_ps(_mm512_max_ps(e[0].v, e[1].v));
+        const __m512 inv = _mm512_set1_ps(pmax > 0.f ? 32767.f / pmax : 0.f);
+        punit[j] = pmax / 32767.f;
+        _mm512_store_si512(p16[j], _mm512_inserti64x4(
+                                       _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(e[0].v, inv)))),
+                                       _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(e[1].v, inv))), 1));
+        continue;
+      }
       const __m512i pw = (__m512i)_mm512_cvtne2ps_pbh(e[1].v, e[0].v);
       if constexpr (pagoda::f8_codes(F8))
         _mm512_store_si512(p16[j], f8_scale_p<F8>(pw));
@@ -1123,12 +1159,11 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
     // tokens in order: the same bits either way.
     constexpr int CW = (DT > 0 && DT % 32 == 0 && 2 * (DT / 32) * NH <= 12) ? DT / 32 : 1;
     for (int c0 = 0; c0 < nc; c0 += CW) {
-      __m512 lo[CW][NH], hi[CW][NH];
+      PvAcc<F8> lo[CW][NH], hi[CW][NH];
       for (int w = 0; w < CW; ++w)
         for (int j = 0; j < NH; ++j) {
-          const __m512 al = _mm512_set1_ps(alpha[j]);
-          lo[w][j] = _mm512_mul_ps(_mm512_loadu_ps(acch + j * D + (c0 + w) * 32), al);
-          hi[w][j] = _mm512_mul_ps(_mm512_loadu_ps(acch + j * D + (c0 + w) * 32 + 16), al);
+          lo[w][j] = pv_start<F8>(acch + j * D + (c0 + w) * 32, alpha[j]);
+          hi[w][j] = pv_start<F8>(acch + j * D + (c0 + w) * 32 + 16, alpha[j]);
         }
       // Tokens 2 tp and 2 tp + 1 (LAST: an odd span's last token alone, its partner's terms zero).
       const auto pair = [&](int tp, auto last) __attribute__((always_inline)) {
@@ -1137,26 +1172,32 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
           if (vpf[2 * tp]) prefetch_range_l2(vpf[2 * tp] + vo, A.pf_bytes);
           if (!LAST && vpf[2 * tp + 1]) prefetch_range_l2(vpf[2 * tp + 1] + vo, A.pf_bytes);
         }
-        __m512bh pw[NH];
-        for (int j = 0; j < NH; ++j)
-          pw[j] = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(p16[j])[tp]);
+        __m512i pw[NH];
+        for (int j = 0; j < NH; ++j) pw[j] = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(p16[j])[tp]);
         for (int w = 0; w < CW; ++w) {
-          __m512bh vlo, vhi;
-          if constexpr (F8 != kNoF8) {
+          __m512i vlo, vhi;
+          if constexpr (kI8Dot<F8>) {  // the codes as int16 words
+            const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * tp] + vo + (c0 + w) * 32)));
+            const __m512i b = LAST ? _mm512_setzero_si512()
+                                   : _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                                         reinterpret_cast<const __m256i*>(vrow[2 * tp + 1] + vo + (c0 + w) * 32)));
+            vlo = _mm512_unpacklo_epi16(a, b);
+            vhi = _mm512_unpackhi_epi16(a, b);
+          } else if constexpr (F8 != kNoF8) {
             __m512i lo8, hi8;
             f8_load32_interleaved<F8>(vrow[2 * tp] + vo + (c0 + w) * 32,
                                   LAST ? nullptr : vrow[2 * tp + 1] + vo + (c0 + w) * 32, lo8, hi8);
-            vlo = (__m512bh)lo8;
-            vhi = (__m512bh)hi8;
+            vlo = lo8;
+            vhi = hi8;
           } else {
             const __m512i a = _mm512_loadu_si512(vrow[2 * tp] + vo + (c0 + w) * 32);
             const __m512i b = LAST ? _mm512_setzero_si512() : _mm512_loadu_si512(vrow[2 * tp + 1] + vo + (c0 + w) * 32);
-            vlo = (__m512bh)_mm512_unpacklo_epi16(a, b);
-            vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            vlo = _mm512_unpacklo_epi16(a, b);
+            vhi = _mm512_unpackhi_epi16(a, b);
           }
           for (int j = 0; j < NH; ++j) {
-            lo[w][j] = _mm512_dpbf16_ps(lo[w][j], vlo, pw[j]);
-            hi[w][j] = _mm512_dpbf16_ps(hi[w][j], vhi, pw[j]);
+            lo[w][j] = pv_dot<F8>(lo[w][j], vlo, pw[j]);
+            hi[w][j] = pv_dot<F8>(hi[w][j], vhi, pw[j]);
           }
         }
       };
@@ -1164,32 +1205,29 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
       if (odd) pair(npairs - 1, std::true_type{});
       for (int w = 0; w < CW; ++w)
         for (int j = 0; j < NH; ++j) {
-          _mm512_storeu_ps(acch + j * D + (c0 + w) * 32, lo[w][j]);
-          _mm512_storeu_ps(acch + j * D + (c0 + w) * 32 + 16, hi[w][j]);
+          pv_finish<F8>(acch + j * D + (c0 + w) * 32, lo[w][j], alpha[j], punit[j]);
+          pv_finish<F8>(acch + j * D + (c0 + w) * 32 + 16, hi[w][j], alpha[j], punit[j]);
         }
     }
     if (tail) {  // 16 dims: [a0..a15 | b0..b15] -> (a0, b0, a1, b1, ...), natural order
       const __m512i idx = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
                                             0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001A000A, 0x001B000B,
                                             0x001C000C, 0x001D000D, 0x001E000E, 0x001F000F);
-      __m512 a16[NH];
-      for (int j = 0; j < NH; ++j)
-        a16[j] = _mm512_mul_ps(_mm512_loadu_ps(acch + j * D + nc * 32), _mm512_set1_ps(alpha[j]));
+      PvAcc<F8> a16[NH];
+      for (int j = 0; j < NH; ++j) a16[j] = pv_start<F8>(acch + j * D + nc * 32, alpha[j]);
       const auto load16 = [](const CE* p) __attribute__((always_inline)) {
-        if constexpr (F8 != kNoF8) return f8_load16<F8>(p);
+        if constexpr (kI8Dot<F8>) return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        else if constexpr (F8 != kNoF8) return f8_load16<F8>(p);
         else return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       };
       for (int tp = 0; tp < npairs; ++tp) {
         const __m256i a = load16(vrow[2 * tp] + vo + nc * 32);
         const __m256i b = (odd && tp == npairs - 1) ? _mm256_setzero_si256() : load16(vrow[2 * tp + 1] + vo + nc * 32);
-        const __m512bh v =
-            (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
-        for (int j = 0; j < NH; ++j) {
-          const __m512bh pw = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(p16[j])[tp]);
-          a16[j] = _mm512_dpbf16_ps(a16[j], v, pw);
-        }
+        const __m512i v = _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+        for (int j = 0; j < NH; ++j)
+          a16[j] = pv_dot<F8>(a16[j], v, _mm512_set1_epi32(reinterpret_cast<const int32_t*>(p16[j])[tp]));
       }
-      for (int j = 0; j < NH; ++j) _mm512_storeu_ps(acch + j * D + nc * 32, a16[j]);
+      for (int j = 0; j < NH; ++j) pv_finish<F8>(acch + j * D + nc * 32, a16[j], alpha[j], punit[j]);
     }
   }
 }
