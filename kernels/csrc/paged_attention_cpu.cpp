@@ -798,6 +798,32 @@ PAGODA_INLINE void span_scores_i8dot(const SpanArgs& A, const float* qf, V16* tm
 }
 #endif
 
+#if PAGODA_DPBF16
+// span_scores' walk over a span's n tokens two at a time: for pair p (tokens 2p and 2p + 1; an odd
+// span's last pair repeats token 2p, whose lanes the softmax masks) and each of NKV kv heads,
+// body(p, kh, the two K rows of kv head kh), after requesting kv head kh's part of the rows
+// `ahead` (A.kpf) into L2. Returns the number of pairs.
+template <int NKV, typename CE, typename F>
+PAGODA_INLINE int for_token_pairs(const SpanArgs& A, const CE* const* krc, const CE* const* kpc, F&& body) {
+  const int n = A.n, npairs = (n + 1) / 2;
+  for (int p = 0; p < npairs; ++p) {
+    const int t = 2 * p;
+    const bool two = t + 1 < n;
+    const CE* kr0 = krc[t];
+    const CE* kr1 = two ? krc[t + 1] : kr0;
+    const CE* pf0 = kpc ? kpc[t] : nullptr;
+    const CE* pf1 = kpc && two ? kpc[t + 1] : nullptr;
+#pragma GCC unroll 16
+    for (int kh = 0; kh < NKV; ++kh) {
+      if (pf0) prefetch_range_l2(pf0 + kh * A.ks2, A.pf_bytes);
+      if (pf1) prefetch_range_l2(pf1 + kh * A.ks2, A.pf_bytes);
+      body(p, kh, kr0 + kh * A.ks2, kr1 + kh * A.ks2);
+    }
+  }
+  return npairs;
+}
+#endif
+
 // Scores of a span: token by token, and within a token kv head by kv head, so the K rows are read in
 // address order (one contiguous run per token in the usual layout; SmolLM2 shapes, one core,
 // DRAM-bound: ~15% faster than one kv head's rows at a time). tmp[(kh * NH + j) * kSpan + t] gets
@@ -837,37 +863,23 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
         }
       }
     const __m512 lo_unit = _mm512_set1_ps(1.f / 256.f);
-    const int npairs = (n + 1) / 2;
-    for (int p = 0; p < npairs; ++p) {
-      const int t = 2 * p;
-      const bool two = t + 1 < n;
-      const CE* kr0 = krc[t];
-      const CE* kr1 = two ? krc[t + 1] : kr0;
-      const CE* pf0 = kpc ? kpc[t] : nullptr;
-      const CE* pf1 = kpc && two ? kpc[t + 1] : nullptr;
-#pragma GCC unroll 16
-      for (int kh = 0; kh < NKV; ++kh) {
-        if (pf0) prefetch_range_l2(pf0 + kh * A.ks2, A.pf_bytes);
-        if (pf1) prefetch_range_l2(pf1 + kh * A.ks2, A.pf_bytes);
-        const CE* kp0 = kr0 + kh * A.ks2;
-        const CE* kp1 = kr1 + kh * A.ks2;
-        __m512i ph[NH], pl[NH];
-        for (int j = 0; j < NH; ++j) ph[j] = pl[j] = _mm512_setzero_si512();
-        for (int c = 0; c < NQ; ++c) {
-          const __m512i kv = _mm512_xor_si512(
-              _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp0 + c * 32))),
-                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp1 + c * 32)), 1),
-              flip);
-          for (int j = 0; j < NH; ++j) {
-            ph[j] = _mm512_dpbusd_epi32(ph[j], kv, qh[kh][j][c]);
-            pl[j] = _mm512_dpbusd_epi32(pl[j], kv, ql[kh][j][c]);
-          }
+    const int npairs = for_token_pairs<NKV>(A, krc, kpc, [&](int p, int kh, const CE* kp0, const CE* kp1)
+                                                              __attribute__((always_inline)) {
+      __m512i ph[NH], pl[NH];
+      for (int j = 0; j < NH; ++j) ph[j] = pl[j] = _mm512_setzero_si512();
+      for (int c = 0; c < NQ; ++c) {
+        const __m512i kv = _mm512_xor_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp0 + c * 32))),
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp1 + c * 32)), 1),
+            flip);
+        for (int j = 0; j < NH; ++j) {
+          ph[j] = _mm512_dpbusd_epi32(ph[j], kv, qh[kh][j][c]);
+          pl[j] = _mm512_dpbusd_epi32(pl[j], kv, ql[kh][j][c]);
         }
-        for (int j = 0; j < NH; ++j)
-          tmp[(kh * NH + j) * kSpan + p].v =
-              _mm512_fmadd_ps(_mm512_cvtepi32_ps(pl[j]), lo_unit, _mm512_cvtepi32_ps(ph[j]));
       }
-    }
+      for (int j = 0; j < NH; ++j)
+        tmp[(kh * NH + j) * kSpan + p].v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pl[j]), lo_unit, _mm512_cvtepi32_ps(ph[j]));
+    });
     const int nfill = (n <= kTile ? kTile : kSpan) / 2;
     for (int r = 0; r < NKV * NH; ++r)
       for (int p = npairs; p < nfill; ++p) tmp[r * kSpan + p] = vzero();
@@ -886,35 +898,22 @@ PAGODA_INLINE void span_scores(const SpanArgs& A, const float* qf, const T* qraw
         for (int c = 0; c < NQ; ++c)
           qd[kh][j][c] = (__m512bh)_mm512_broadcast_i64x4(
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qraw + (static_cast<size_t>(kh) * g + j) * DT + c * 16)));
-    const int npairs = (n + 1) / 2;
-    for (int p = 0; p < npairs; ++p) {
-      const int t = 2 * p;
-      const bool two = t + 1 < n;
-      const CE* kr0 = krc[t];
-      const CE* kr1 = two ? krc[t + 1] : kr0;  // an odd span's last lane group repeats token t (masked)
-      const CE* pf0 = kpc ? kpc[t] : nullptr;
-      const CE* pf1 = kpc && two ? kpc[t + 1] : nullptr;
-#pragma GCC unroll 16
-      for (int kh = 0; kh < NKV; ++kh) {
-        if (pf0) prefetch_range_l2(pf0 + kh * A.ks2, A.pf_bytes);
-        if (pf1) prefetch_range_l2(pf1 + kh * A.ks2, A.pf_bytes);
-        const CE* kp0 = kr0 + kh * A.ks2;
-        const CE* kp1 = kr1 + kh * A.ks2;
-        __m512 part[NH];
-        for (int j = 0; j < NH; ++j) part[j] = _mm512_setzero_ps();
-        for (int c = 0; c < NQ; ++c) {
-          __m512bh kv;
-          if constexpr (F8 != kNoF8)
-            kv = (__m512bh)f8_load16x2<F8>(kp0 + c * 16, kp1 + c * 16);
-          else
-            kv = (__m512bh)_mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp0 + c * 16))),
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp1 + c * 16)), 1);
-          for (int j = 0; j < NH; ++j) part[j] = _mm512_dpbf16_ps(part[j], qd[kh][j][c], kv);
-        }
-        for (int j = 0; j < NH; ++j) tmp[(kh * NH + j) * kSpan + p].v = part[j];
+    const int npairs = for_token_pairs<NKV>(A, krc, kpc, [&](int p, int kh, const CE* kp0, const CE* kp1)
+                                                              __attribute__((always_inline)) {
+      __m512 part[NH];
+      for (int j = 0; j < NH; ++j) part[j] = _mm512_setzero_ps();
+      for (int c = 0; c < NQ; ++c) {
+        __m512bh kv;
+        if constexpr (F8 != kNoF8)
+          kv = (__m512bh)f8_load16x2<F8>(kp0 + c * 16, kp1 + c * 16);
+        else
+          kv = (__m512bh)_mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp0 + c * 16))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp1 + c * 16)), 1);
+        for (int j = 0; j < NH; ++j) part[j] = _mm512_dpbf16_ps(part[j], qd[kh][j][c], kv);
       }
-    }
+      for (int j = 0; j < NH; ++j) tmp[(kh * NH + j) * kSpan + p].v = part[j];
+    });
     const int nfill = (n <= kTile ? kTile : kSpan) / 2;
     for (int r = 0; r < NKV * NH; ++r)
       for (int p = npairs; p < nfill; ++p) tmp[r * kSpan + p] = vzero();
