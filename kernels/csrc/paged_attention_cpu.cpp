@@ -11,10 +11,10 @@
 // item walks its sequence's tokens in spans of 32 (16 when many heads share a pass) and processes
 // the g = H / kvh query heads sharing a kv head together, so each K/V row is loaded from memory once
 // for all of them; the scores read each token's K rows of all the item's kv heads in one go (address
-// order). Online softmax (running max / sum), fp32 accumulators; bf16 uses vdpbf16ps for Q K^T (on
-// an int8 cache vpdpbusd, on the codes, against two int8 digits of each query) and, with P rounded
-// to bf16, for P V (SmolLM2's shapes: two tokens a score vector, all of a V row's
-// chunks in one walk over the span). Blocks sit at random places, out of reach of the hardware
+// order). Online softmax (running max / sum), fp32 accumulators; bf16 uses vdpbf16ps for Q K^T and,
+// with P rounded to bf16, for P V (SmolLM2's shapes: two tokens a score vector, all of a V row's
+// chunks in one walk over the span); on an int8 cache, integer dot products on the codes instead
+// (vpdpbusd against two int8 digits of each query, vpdpwssd against P in 15 bits). Blocks sit at random places, out of reach of the hardware
 // prefetchers, so each kv head's pass requests into L2 its part of the K and V rows a span or more
 // (~24 KB) ahead, one row per token of arithmetic, and on into the first rows of the item its thread
 // runs next (items are claimed one ahead). A context longer than a slice (2048 / threads
@@ -622,7 +622,7 @@ inline const I8Query& i8_query(const float* slot, int D) {
 }
 #if PAGODA_DPBF16
 // Head_dim (a multiple of 16) bf16 queries -> their digits and I8Query in slot. A query holding a
-// NaN or an infinity gets a NaN scale, so its scores (and output) are NaN as with bf16 products.
+// NaN or an infinity gets a NaN scale, so its scores are NaN, as bf16 products make them.
 inline void i8_query_digits(const bf16_t* q, int D, float* slot) {
   auto* hi = reinterpret_cast<int8_t*>(slot);
   int8_t* lo = hi + D;
