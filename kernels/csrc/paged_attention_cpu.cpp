@@ -499,27 +499,25 @@ PAGODA_INLINE __m512i f8_permute(const F8Index& idx, __m512i codes) {
 #else
 #define PAGODA_F8_VBMI 0
 #endif
-// int8 codes (kI8) as bf16 words of their values, exactly (|code| <= 127 needs 7 bits): widened to
-// float32 (vload) and rounded to bf16 (exact). 16 codes -> 16 floats:
+// 16 int8 codes (kI8) as floats, exactly: the prefill kernel's rows of an int8 cache (decode
+// multiplies the codes as integers: span_scores, attend_span_bf16).
 PAGODA_INLINE __m512 i8_values16(const uint8_t* p) { return vload(reinterpret_cast<const i8s_t*>(p)).v; }
+// The one-byte codes' loads below are float8 codes' (pagoda::f8_codes).
 // 32 codes -> 32 words.
 template <int F8>
 PAGODA_INLINE __m512i f8_load32(const uint8_t* p) {
-  if constexpr (F8 == kI8) {
-    return (__m512i)_mm512_cvtne2ps_pbh(i8_values16(p + 16), i8_values16(p));
-  } else {
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  static_assert(pagoda::f8_codes(F8), "an int8 cache's codes are multiplied as integers");
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 #if PAGODA_F8_VBMI
-    return f8_permute<F8>(kF8Plain, _mm512_castsi256_si512(b));
+  return f8_permute<F8>(kF8Plain, _mm512_castsi256_si512(b));
 #else
-    return f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
+  return f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
 #endif
-  }
 }
 // 16 codes at p0 and 16 at p1 -> 16 words each, in the low and the high half.
 template <int F8>
 PAGODA_INLINE __m512i f8_load16x2(const uint8_t* p0, const uint8_t* p1) {
-  static_assert(pagoda::f8_codes(F8), "an int8 cache's scores run on its codes (span_scores)");
+  static_assert(pagoda::f8_codes(F8), "an int8 cache's codes are multiplied as integers");
   const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
                                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
 #if PAGODA_F8_VBMI
@@ -532,34 +530,25 @@ PAGODA_INLINE __m512i f8_load16x2(const uint8_t* p0, const uint8_t* p1) {
 // unpackhi_epi16 of their f8_load32 words give, straight from the codes where vpermb is there.
 template <int F8>
 PAGODA_INLINE void f8_load32_interleaved(const uint8_t* pa, const uint8_t* pb, __m512i& lo, __m512i& hi) {
-  if constexpr (F8 == kI8) {
-    const __m512i wa = f8_load32<F8>(pa);
-    const __m512i wb = pb ? f8_load32<F8>(pb) : _mm512_setzero_si512();
-    lo = _mm512_unpacklo_epi16(wa, wb);
-    hi = _mm512_unpackhi_epi16(wa, wb);
-  } else {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pa));
-    const __m256i b = pb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)) : _mm256_setzero_si256();
+  static_assert(pagoda::f8_codes(F8), "an int8 cache's codes are multiplied as integers");
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pa));
+  const __m256i b = pb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)) : _mm256_setzero_si256();
 #if PAGODA_F8_VBMI
-    const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-    lo = f8_permute<F8>(kF8Lo, ab);
-    hi = f8_permute<F8>(kF8Hi, ab);
+  const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  lo = f8_permute<F8>(kF8Lo, ab);
+  hi = f8_permute<F8>(kF8Hi, ab);
 #else
-    const __m512i wa = f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(a), 8));
-    const __m512i wb = f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
-    lo = _mm512_unpacklo_epi16(wa, wb);
-    hi = _mm512_unpackhi_epi16(wa, wb);
+  const __m512i wa = f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(a), 8));
+  const __m512i wb = f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
+  lo = _mm512_unpacklo_epi16(wa, wb);
+  hi = _mm512_unpackhi_epi16(wa, wb);
 #endif
-  }
 }
 // 16 codes -> 16 words.
 template <int F8>
 PAGODA_INLINE __m256i f8_load16(const uint8_t* p) {
-  if constexpr (F8 == kI8)
-    return (__m256i)_mm512_cvtneps_pbh(i8_values16(p));
-  else
-    return f8_words<F8>(
-        _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8));
+  static_assert(pagoda::f8_codes(F8), "an int8 cache's codes are multiplied as integers");
+  return f8_words<F8>(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8));
 }
 // n codes (a multiple of 16) -> the bf16 values they hold, subnormal codes as +0 (what the decode
 // kernel reads; infinities and NaNs as finite values): the prefill kernel's rows of a one-byte cache.
@@ -1093,8 +1082,8 @@ PAGODA_INLINE void pv_finish(float* row, PvAcc<F8> acc, float alpha, float punit
 //
 // F8: the cache holds one-byte codes, read as bf16 words of their values times 2^-112 or 2^-120
 // (f8_words), with qraw scaled by 2^112 (run_item) and P scaled here: the same bits as a bf16 cache
-// of their values. kI8: the scores from the K codes in integer dot products (span_scores,
-// i8_query_digits), V's codes as bf16 words of their values (f8_load32 and the like), each token's
+// of their values. kI8 (an int8 cache): the codes multiplied as integers, the scores in span_scores
+// (i8_query_digits), P V with V's codes as int16 words against P in int16 (PvAcc); each token's
 // scales applied to its scores and to its probability here.
 template <int NH, int DT, int NKV, int F8 = kNoF8>
 void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, float* acc, float* m, V16* lsum,
@@ -1135,7 +1124,7 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
       }
       V16 e[2];
       alpha[j] = softmax_span_scaled<F8>(s, n, qscale, m[kh * g + j], lsum[kh * g + j], e, kscale, vscale);
-      if constexpr (kI8Dot<F8>) {  // P as int16 words in units of its largest / 32767 (pv_words)
+      if constexpr (kI8Dot<F8>) {  // P as int16 words in units of its largest / 32767 (PvAcc)
         const float pmax = _mm512_reduce_max_ps(_mm512_max_ps(e[0].v, e[1].v));
         const __m512 inv = _mm512_set1_ps(pmax > 0.f ? 32767.f / pmax : 0.f);
         punit[j] = pmax / 32767.f;
@@ -1175,22 +1164,16 @@ void attend_span_bf16(const SpanArgs& A, const float* qf, const bf16_t* qraw, fl
         for (int j = 0; j < NH; ++j) pw[j] = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(p16[j])[tp]);
         for (int w = 0; w < CW; ++w) {
           __m512i vlo, vhi;
-          if constexpr (kI8Dot<F8>) {  // the codes as int16 words
-            const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * tp] + vo + (c0 + w) * 32)));
-            const __m512i b = LAST ? _mm512_setzero_si512()
-                                   : _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                                         reinterpret_cast<const __m256i*>(vrow[2 * tp + 1] + vo + (c0 + w) * 32)));
-            vlo = _mm512_unpacklo_epi16(a, b);
-            vhi = _mm512_unpackhi_epi16(a, b);
-          } else if constexpr (F8 != kNoF8) {
-            __m512i lo8, hi8;
+          if constexpr (pagoda::f8_codes(F8)) {
             f8_load32_interleaved<F8>(vrow[2 * tp] + vo + (c0 + w) * 32,
-                                  LAST ? nullptr : vrow[2 * tp + 1] + vo + (c0 + w) * 32, lo8, hi8);
-            vlo = lo8;
-            vhi = hi8;
-          } else {
-            const __m512i a = _mm512_loadu_si512(vrow[2 * tp] + vo + (c0 + w) * 32);
-            const __m512i b = LAST ? _mm512_setzero_si512() : _mm512_loadu_si512(vrow[2 * tp + 1] + vo + (c0 + w) * 32);
+                                      LAST ? nullptr : vrow[2 * tp + 1] + vo + (c0 + w) * 32, vlo, vhi);
+          } else {  // 32 words a row: bf16 values, or an int8 cache's codes as int16
+            const auto words = [](const CE* p) __attribute__((always_inline)) {
+              if constexpr (kI8Dot<F8>) return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+              else return _mm512_loadu_si512(p);
+            };
+            const __m512i a = words(vrow[2 * tp] + vo + (c0 + w) * 32);
+            const __m512i b = LAST ? _mm512_setzero_si512() : words(vrow[2 * tp + 1] + vo + (c0 + w) * 32);
             vlo = _mm512_unpacklo_epi16(a, b);
             vhi = _mm512_unpackhi_epi16(a, b);
           }
