@@ -503,43 +503,40 @@ PAGODA_INLINE __m512i f8_permute(const F8Index& idx, __m512i codes) {
 // multiplies the codes as integers: span_scores, attend_span_bf16).
 PAGODA_INLINE __m512 i8_values16(const uint8_t* p) { return vload(reinterpret_cast<const i8s_t*>(p)).v; }
 // The one-byte codes' loads below are float8 codes' (pagoda::f8_codes).
+// 32 codes in a 256-bit register -> 32 words, in order.
+template <int F8>
+PAGODA_INLINE __m512i f8_words32(__m256i codes) {
+  static_assert(pagoda::f8_codes(F8), "an int8 cache's codes are multiplied as integers");
+#if PAGODA_F8_VBMI
+  return f8_permute<F8>(kF8Plain, _mm512_castsi256_si512(codes));
+#else
+  return f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(codes), 8));
+#endif
+}
 // 32 codes -> 32 words.
 template <int F8>
 PAGODA_INLINE __m512i f8_load32(const uint8_t* p) {
-  static_assert(pagoda::f8_codes(F8), "an int8 cache's codes are multiplied as integers");
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-#if PAGODA_F8_VBMI
-  return f8_permute<F8>(kF8Plain, _mm512_castsi256_si512(b));
-#else
-  return f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
-#endif
+  return f8_words32<F8>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 // 16 codes at p0 and 16 at p1 -> 16 words each, in the low and the high half.
 template <int F8>
 PAGODA_INLINE __m512i f8_load16x2(const uint8_t* p0, const uint8_t* p1) {
-  static_assert(pagoda::f8_codes(F8), "an int8 cache's codes are multiplied as integers");
-  const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
-                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
-#if PAGODA_F8_VBMI
-  return f8_permute<F8>(kF8Plain, _mm512_castsi256_si512(b));
-#else
-  return f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
-#endif
+  return f8_words32<F8>(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
+                                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1));
 }
 // 32 codes of token a and 32 of token b (pb null: zeros) -> the words unpacklo_epi16 /
 // unpackhi_epi16 of their f8_load32 words give, straight from the codes where vpermb is there.
 template <int F8>
 PAGODA_INLINE void f8_load32_interleaved(const uint8_t* pa, const uint8_t* pb, __m512i& lo, __m512i& hi) {
-  static_assert(pagoda::f8_codes(F8), "an int8 cache's codes are multiplied as integers");
   const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pa));
   const __m256i b = pb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)) : _mm256_setzero_si256();
 #if PAGODA_F8_VBMI
+  static_assert(pagoda::f8_codes(F8), "an int8 cache's codes are multiplied as integers");
   const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
   lo = f8_permute<F8>(kF8Lo, ab);
   hi = f8_permute<F8>(kF8Hi, ab);
 #else
-  const __m512i wa = f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(a), 8));
-  const __m512i wb = f8_words<F8>(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
+  const __m512i wa = f8_words32<F8>(a), wb = f8_words32<F8>(b);
   lo = _mm512_unpacklo_epi16(wa, wb);
   hi = _mm512_unpackhi_epi16(wa, wb);
 #endif
