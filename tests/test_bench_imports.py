@@ -30,3 +30,15 @@ def test_bench_scripts_import_names_that_exist(script, monkeypatch):
 
 def test_the_bench_scripts_are_found():
     assert len(SCRIPTS) > 30, SCRIPTS
+
+
+def test_every_kernel_knockout_still_applies_to_the_kernel_source(monkeypatch):
+    """bench/kernel_knockout.py replaces lines of the attention kernel's source: each knock-out's lines
+    must still be there (once), or the script would time a copy that knocks out nothing."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    knockout = importlib.import_module("kernel_knockout")
+    source = knockout.SOURCE.read_text()
+    for name in knockout.KNOCKOUTS:
+        text = knockout.knocked_out(name)
+        assert f"TORCH_LIBRARY(pagoda_ko_{name}," in text
+        assert text.replace(f"TORCH_LIBRARY(pagoda_ko_{name},", "TORCH_LIBRARY(pagoda_cpu,") != source, name
