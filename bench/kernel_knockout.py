@@ -19,7 +19,8 @@ cache's format): ``qk_dots`` the Q K^T dot products (the K rows still loaded), `
 dot products (the V rows still loaded and interleaved), ``all_dots`` both. Prefill knock-outs (the
 AMX panel, CPUs with AMX-BF16): ``exp`` the softmax's exponentials (the identity instead),
 ``softmax`` the whole softmax (scores rounded straight to P), ``o_update`` the O = O * alpha + P V
-update, ``qk_tiles`` the Q K^T tile products, ``kv_pack`` every key tile's packing but the first.
+update, ``qk_tiles`` the Q K^T tile products (the tile loads stay), ``kv_pack`` every key tile's
+packing but the first.
 
 A replacement that no longer matches the source fails with the knock-out's name: update its lines
 here when the kernel changes. bench/RESULTS.md (seventieth session) reads it.
@@ -57,19 +58,8 @@ _PV = """          for (int j = 0; j < NH; ++j) {
           }
 """
 _KEEP_V = '          asm volatile("" :: "v"(vlo), "v"(vhi));\n'
-_QK_TILES = """  for (int h = 0; h < D / 32; ++h) {
-    const float* kh = kp + 16 * h * kKeyTile;
-    _tile_loadd(4, qrows + 32 * h, D * 2);
-    _tile_loadd(5, kh, kpStride);
-    _tile_loadd(6, kh + 16, kpStride);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, kh + 32, kpStride);
-    _tile_loadd(6, kh + 48, kpStride);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_dpbf16ps(3, 4, 6);
-  }
-"""
+_QK_TILES = ["    _tile_dpbf16ps(0, 4, 5);\n    _tile_dpbf16ps(1, 4, 6);\n",
+             "    _tile_dpbf16ps(2, 4, 5);\n    _tile_dpbf16ps(3, 4, 6);\n"]
 _SOFTMAX_START = """  const __m512 vscale = _mm512_set1_ps(qscale);
   __mmask16 mk[kAmxRows][4];"""
 _SOFTMAX_END = """    _mm512_store_si512(p16 + r * kKeyTile + 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
@@ -100,7 +90,7 @@ KNOCKOUTS = {
     "o_update": ("prefill", [("        _mm512_storeu_ps(o + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16 * v), a, "
                               "_mm512_load_ps(op + r * 64 + 16 * v)));",
                               "        (void)o, (void)a;")]),
-    "qk_tiles": ("prefill", [(_QK_TILES, "  (void)kp;\n  (void)qrows;\n")]),
+    "qk_tiles": ("prefill", [(lines, "") for lines in _QK_TILES]),
     "kv_pack": ("prefill", [("      pack_kv<T>(P, rows_a[cur], rows_b[cur], nk, S);\n    } else {",
                              "      if (k0 == 0) pack_kv<T>(P, rows_a[cur], rows_b[cur], nk, S);\n    } else {")]),
 }
