@@ -109,34 +109,43 @@ def time_interleaved(fns, caches, reps, stat="median", warmup=2):
 def load_cpu_baseline(path):
     """Build an older paged_attention_cpu.cpp, or a whole kernels/csrc directory (every .cpp in it),
     as its own extension: ops under torch.ops.pagoda_cpu_baseline."""
-    import hashlib
     from pathlib import Path
+
+    from pagoda_kernels.cpu_attention import _CSRC
+
+    path = Path(path)
+    files = sorted(path.glob("*.cpp")) if path.is_dir() else [path]
+    texts = {("baseline.cpp" if len(files) == 1 else f.name): f.read_text() for f in files}
+    return load_cpu_sources(texts, "pagoda_cpu_baseline", headers=path if path.is_dir() else _CSRC)
+
+
+def load_cpu_sources(texts, namespace, headers=None):
+    """Build C++ sources ({file name: text}) whose ops are registered under pagoda_cpu as their own
+    extension, with the kernels' flags: ops under torch.ops.<namespace>. ``headers``: the folder
+    with pagoda_cpu.h (default kernels/csrc)."""
+    import hashlib
 
     from torch.utils.cpp_extension import load
 
     from pagoda_kernels.cpu_attention import _CFLAGS, _CSRC, _LDFLAGS, _cache_root, _ensure_ninja_on_path
 
-    path = Path(path)
-    files = sorted(path.glob("*.cpp")) if path.is_dir() else [path]
-    texts = {}
-    for f in files:
-        text = f.read_text()
-        for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT"):
-            text = text.replace(f"{macro}(pagoda_cpu,", f"{macro}(pagoda_cpu_baseline,")
-        texts["baseline.cpp" if len(files) == 1 else f.name] = text
-    assert any("TORCH_LIBRARY(pagoda_cpu_baseline," in t for t in texts.values()), \
-        f"{path}: no TORCH_LIBRARY(pagoda_cpu, ...) block"
-    tag = hashlib.sha1(("".join(texts.values()) + " ".join(_CFLAGS) + sys.prefix).encode()).hexdigest()[:12]
-    build_dir = _cache_root() / "torch_extensions" / f"pagoda_cpu_baseline-{tag}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    renamed = {}
     for name, text in texts.items():
+        for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT"):
+            text = text.replace(f"{macro}(pagoda_cpu,", f"{macro}({namespace},")
+        renamed[name] = text
+    assert any(f"TORCH_LIBRARY({namespace}," in t for t in renamed.values()), \
+        f"{sorted(texts)}: no TORCH_LIBRARY(pagoda_cpu, ...) block"
+    tag = hashlib.sha1(("".join(renamed.values()) + " ".join(_CFLAGS) + sys.prefix).encode()).hexdigest()[:12]
+    build_dir = _cache_root() / "torch_extensions" / f"{namespace}-{tag}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in renamed.items():
         (build_dir / name).write_text(text)
     _ensure_ninja_on_path()
-    headers = path if path.is_dir() else _CSRC  # pagoda_cpu.h
-    load(name=f"pagoda_cpu_baseline_{tag}", sources=[str(build_dir / n) for n in texts], extra_cflags=_CFLAGS,
-         extra_ldflags=_LDFLAGS, extra_include_paths=[str(headers)], build_directory=str(build_dir),
+    load(name=f"{namespace}_{tag}", sources=[str(build_dir / n) for n in renamed], extra_cflags=_CFLAGS,
+         extra_ldflags=_LDFLAGS, extra_include_paths=[str(headers or _CSRC)], build_directory=str(build_dir),
          is_python_module=False)
-    return torch.ops.pagoda_cpu_baseline
+    return getattr(torch.ops, namespace)
 
 
 def bench_cpu(args):

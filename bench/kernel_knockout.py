@@ -28,7 +28,6 @@ here when the kernel changes. bench/RESULTS.md (seventieth session) reads it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import os
 import sys
@@ -97,30 +96,18 @@ KNOCKOUTS = {
 
 
 def knocked_out(name: str) -> str:
+    """The kernel's source with knock-out ``name``'s lines replaced (its ops still under pagoda_cpu)."""
     text = SOURCE.read_text()
     for old, new in KNOCKOUTS[name][1]:
         if text.count(old) != 1:
             raise SystemExit(f"knock-out {name!r}: its lines are not (once) in {SOURCE.name} any more; update "
                              f"KNOCKOUTS in {Path(__file__).name}:\n{old}")
         text = text.replace(old, new)
-    return text.replace("TORCH_LIBRARY(pagoda_cpu,", f"TORCH_LIBRARY(pagoda_ko_{name},")
+    return text
 
 
 def build(name: str):
-    from torch.utils.cpp_extension import load
-
-    from pagoda_kernels.cpu_attention import _CFLAGS, _CSRC, _LDFLAGS, _cache_root, _ensure_ninja_on_path
-
-    text = knocked_out(name)
-    tag = hashlib.sha1((text + " ".join(_CFLAGS) + sys.prefix).encode()).hexdigest()[:12]
-    build_dir = _cache_root() / "torch_extensions" / f"pagoda_ko_{name}-{tag}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    (build_dir / "knockout.cpp").write_text(text)
-    _ensure_ninja_on_path()
-    load(name=f"pagoda_ko_{name}_{tag}", sources=[str(build_dir / "knockout.cpp")], extra_cflags=_CFLAGS,
-         extra_ldflags=_LDFLAGS, extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),
-         is_python_module=False)
-    return getattr(torch.ops, f"pagoda_ko_{name}")
+    return kernel_bench.load_cpu_sources({"knockout.cpp": knocked_out(name)}, f"pagoda_ko_{name}")
 
 
 def decode(args, ops) -> None:
@@ -186,6 +173,8 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=20, help="prefill: timed calls of each kernel per case")
     ap.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (default: torch's)")
     args = ap.parse_args()
+    if min(args.reps, args.calls, args.cache_mb) < 1 or args.threads < 0:
+        ap.error("--reps, --calls and --cache-mb must be >= 1, --threads >= 0")
     names = [n for n, (k, _) in KNOCKOUTS.items() if k == args.kernel]
     if args.only:
         names = args.only.split(",")

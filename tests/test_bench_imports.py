@@ -39,6 +39,4 @@ def test_every_kernel_knockout_still_applies_to_the_kernel_source(monkeypatch):
     knockout = importlib.import_module("kernel_knockout")
     source = knockout.SOURCE.read_text()
     for name in knockout.KNOCKOUTS:
-        text = knockout.knocked_out(name)
-        assert f"TORCH_LIBRARY(pagoda_ko_{name}," in text
-        assert text.replace(f"TORCH_LIBRARY(pagoda_ko_{name},", "TORCH_LIBRARY(pagoda_cpu,") != source, name
+        assert knockout.knocked_out(name) != source, name
