@@ -123,7 +123,9 @@ def run_pagoda(args, requests) -> dict:
     from engine_service import LLM
     from engine_service.outputs import RequestOutput  # noqa: F401  (same shape as vLLM's)
 
-    opts = {}
+    # The KV space compare.py gives vLLM-CPU (VLLM_CPU_KVCACHE_SPACE=4), whatever the shell's
+    # PAGODA_KV_CACHE_MEMORY_BYTES says.
+    opts = {"kv_cache_memory_bytes": 4 << 30}
     if args.max_num_batched_tokens:
         opts["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.num_speculative_tokens:

@@ -10,10 +10,10 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import time
 
 from engine_service.config import KV_CACHE_DTYPE_CHOICES
+from engine_service.config import parse_bytes as config_parse_bytes
 
 DEMO_PROMPTS = [
     "Hello, my name is",
@@ -41,11 +41,11 @@ def demo(args: argparse.Namespace) -> None:
 
 
 def parse_bytes(text: str) -> int:
-    """``4294967296``, ``4GiB``, ``512MiB``, ``1.5G`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4294967296, 512MiB, 4GiB)")
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+    """``4294967296``, ``4GiB``, ``512MiB``, ``1.5G`` -> bytes, for argparse."""
+    try:
+        return config_parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:

@@ -1,6 +1,8 @@
 """Engine configuration: one validated object, vLLM's option names."""
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +12,32 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
                     "int8": torch.int8}
 KV_CACHE_DTYPE_CHOICES = ["auto", *_KV_CACHE_DTYPES]
+# The CPU KV budget where kv_cache_memory_bytes is not given (the library, the batch job and serve
+# alike): this variable, else 4 GiB, as vLLM-CPU's VLLM_CPU_KVCACHE_SPACE (which counts GiB).
+KV_BUDGET_ENV = "PAGODA_KV_CACHE_MEMORY_BYTES"
+DEFAULT_CPU_KV_BUDGET = 4 << 30
+
+
+def parse_bytes(text: str) -> int:
+    """``4294967296``, ``4GiB``, ``512MiB``, ``1.5G`` -> bytes; ValueError otherwise."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a byte size: {text!r} (e.g. 4294967296, 512MiB, 4GiB)")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+
+
+def default_cpu_kv_budget() -> int:
+    """``$PAGODA_KV_CACHE_MEMORY_BYTES`` where set (e.g. ``512MiB``), else 4 GiB."""
+    text = os.environ.get(KV_BUDGET_ENV, "").strip()
+    if not text:
+        return DEFAULT_CPU_KV_BUDGET
+    try:
+        budget = parse_bytes(text)
+    except ValueError as e:
+        raise ValueError(f"{KV_BUDGET_ENV}={text!r}: {e}") from None
+    if budget <= 0:
+        raise ValueError(f"{KV_BUDGET_ENV} must be > 0 bytes, got {text!r}")
+    return budget
 
 
 def cpu_has_bf16_dot() -> bool:
@@ -41,7 +69,8 @@ class EngineConfig:
     # contiguous runs stream better: on the shared bf16 workload (Zen 4) decode attention took
     # 10.9 s at 64 against 11.9 s at 16, the KV writes 0.3 s against 1.0 s (bench/RESULTS.md).
     block_size: int | None = None
-    # CPU KV budget in bytes (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE); GPUs use gpu_memory_utilization.
+    # CPU KV budget in bytes (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE); None: $PAGODA_KV_CACHE_MEMORY_BYTES,
+    # else 4 GiB. GPUs use gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -211,15 +240,17 @@ class EngineConfig:
         else:
             budget = self.kv_cache_memory_bytes
             if budget is None:
-                budget = 4 << 30 if self.device == "cpu" else self._gpu_kv_budget()
+                budget = default_cpu_kv_budget() if self.device == "cpu" else self._gpu_kv_budget()
             self.num_kv_blocks = budget // kv_bytes_per_block
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         if self.num_kv_blocks < blocks_per_seq:
+            from_env = (self.kv_cache_memory_bytes is None and self.num_gpu_blocks_override is None
+                        and self.device == "cpu" and os.environ.get(KV_BUDGET_ENV, "").strip())
             raise ValueError(
                 f"KV cache too small: {self.num_kv_blocks} blocks of {self.block_size} tokens hold fewer "
                 f"than one max_model_len={self.max_model_len} sequence, which needs {blocks_per_seq} "
-                f"blocks = {blocks_per_seq * kv_bytes_per_block} bytes; raise kv_cache_memory_bytes "
-                f"or lower max_model_len"
+                f"blocks = {blocks_per_seq * kv_bytes_per_block} bytes; raise kv_cache_memory_bytes"
+                f"{f' ({KV_BUDGET_ENV}={from_env} here)' if from_env else ''} or lower max_model_len"
             )
         self.num_swap_blocks = self.swap_space_bytes // kv_bytes_per_block if self.preemption_mode == "swap" else 0
 

@@ -809,6 +809,44 @@ def test_kv_cache_dtype_is_checked_naming_the_option():
         EngineConfig(kv_cache_dtype="fp8_e5m2", device="cuda")
 
 
+def test_the_cpu_kv_budget_is_the_argument_else_pagoda_kv_cache_memory_bytes_else_4_gib(monkeypatch, tiny_llama_dir):
+    """kv_cache_memory_bytes where given; where not, ``$PAGODA_KV_CACHE_MEMORY_BYTES`` (the variable
+    ``serve`` reads for its option, so the library, the batch job and the service take one setting),
+    else 4 GiB. A bad value is a ValueError naming the variable, and so is a budget from it that
+    cannot hold one sequence."""
+    from engine_service.config import KV_BUDGET_ENV
+
+    def blocks(**kw):
+        config = EngineConfig(max_model_len=512, block_size=64, **kw)
+        config.finalize(8192, 1 << 20)  # 1 MiB a block
+        return config.num_kv_blocks
+
+    monkeypatch.delenv(KV_BUDGET_ENV, raising=False)
+    assert blocks() == 4096
+    monkeypatch.setenv(KV_BUDGET_ENV, "96MiB")
+    assert blocks() == 96
+    assert blocks(kv_cache_memory_bytes=32 << 20) == 32 and blocks(num_gpu_blocks_override=20) == 20
+    monkeypatch.setenv(KV_BUDGET_ENV, " 1.5GiB ")
+    assert blocks() == 1536
+    monkeypatch.setenv(KV_BUDGET_ENV, "201326592")
+    assert blocks() == 192
+    for bad in ("lots", "-1G", "1..5G", "0"):
+        monkeypatch.setenv(KV_BUDGET_ENV, bad)
+        with pytest.raises(ValueError, match=f"^{KV_BUDGET_ENV}"):
+            blocks()
+    monkeypatch.setenv(KV_BUDGET_ENV, "4MiB")
+    with pytest.raises(ValueError, match=r"KV cache too small: 4 blocks .* raise kv_cache_memory_bytes "
+                                         r"\(PAGODA_KV_CACHE_MEMORY_BYTES=4MiB here\)"):
+        blocks()
+    # The offline API's engine sizes its cache by it (tiny model: 2 layers, 2 kv heads of 16, float32).
+    monkeypatch.setenv(KV_BUDGET_ENV, "3MiB")
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=256)
+    per_block = 2 * 2 * 64 * 2 * 16 * 4
+    assert llm.llm_engine.config.num_kv_blocks == (3 << 20) // per_block
+    cache = llm.llm_engine.runner.kv_cache
+    assert cache.numel() * cache.element_size() == (3 << 20) // per_block * per_block
+
+
 def _check_one_byte_cache_against(fp8, ref, prompts, ratio, f8):
     """fp8 (a one-byte kv_cache_dtype, torch dtype f8) against ref (the model dtype's cache), engines
     alike but for the cache: ``ratio`` times the blocks; after a prefill layer 0's K/V codes are
