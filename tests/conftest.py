@@ -48,3 +48,34 @@ def tiny_llama_dir(tmp_path_factory, bundled_dir) -> str:
         if name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(os.path.join(bundled_dir, name), path / name)
     return str(path)
+
+
+_LESSER_RUN = "test_kernel_tests_pass_built_for_a_lesser_cpu"
+_background_builds = []
+
+
+def pytest_collection_finish(session):
+    """Where the lesser -march runs of the kernel tests are selected, build their extensions in the
+    background while the tests before them run (tests/test_lesser_isa.py)."""
+    marches = {item.callspec.params["march"] for item in session.items
+               if getattr(item, "originalname", None) == _LESSER_RUN}
+    if marches:
+        from tests.test_lesser_isa import start_lesser_builds
+
+        _background_builds.extend(start_lesser_builds(marches))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A build still running (the run was cut short) is interrupted, so that torch's handler drops
+    its lock in the build directory, which would otherwise hold up the next build there."""
+    import signal
+    import subprocess
+
+    for build in _background_builds:
+        if build.poll() is None:
+            os.killpg(build.pid, signal.SIGINT)
+            try:
+                build.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(build.pid, signal.SIGKILL)
+                build.wait()
