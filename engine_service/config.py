@@ -26,18 +26,19 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
-def default_cpu_kv_budget() -> int:
-    """``$PAGODA_KV_CACHE_MEMORY_BYTES`` where set (e.g. ``512MiB``), else 4 GiB."""
+def default_cpu_kv_budget() -> tuple[int, str]:
+    """``$PAGODA_KV_CACHE_MEMORY_BYTES`` where set (e.g. ``512MiB``), else 4 GiB; and the variable's
+    text ('' where unset), for errors to name."""
     text = os.environ.get(KV_BUDGET_ENV, "").strip()
     if not text:
-        return DEFAULT_CPU_KV_BUDGET
+        return DEFAULT_CPU_KV_BUDGET, text
     try:
         budget = parse_bytes(text)
     except ValueError as e:
         raise ValueError(f"{KV_BUDGET_ENV}={text!r}: {e}") from None
     if budget <= 0:
         raise ValueError(f"{KV_BUDGET_ENV} must be > 0 bytes, got {text!r}")
-    return budget
+    return budget, text
 
 
 def cpu_has_bf16_dot() -> bool:
@@ -235,17 +236,18 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is False"
             )
+        from_env = ""  # the budget's $PAGODA_KV_CACHE_MEMORY_BYTES, where it came from there
         if self.num_gpu_blocks_override is not None:
             self.num_kv_blocks = self.num_gpu_blocks_override
         else:
             budget = self.kv_cache_memory_bytes
-            if budget is None:
-                budget = default_cpu_kv_budget() if self.device == "cpu" else self._gpu_kv_budget()
+            if budget is None and self.device == "cpu":
+                budget, from_env = default_cpu_kv_budget()
+            elif budget is None:
+                budget = self._gpu_kv_budget()
             self.num_kv_blocks = budget // kv_bytes_per_block
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         if self.num_kv_blocks < blocks_per_seq:
-            from_env = (self.kv_cache_memory_bytes is None and self.num_gpu_blocks_override is None
-                        and self.device == "cpu" and os.environ.get(KV_BUDGET_ENV, "").strip())
             raise ValueError(
                 f"KV cache too small: {self.num_kv_blocks} blocks of {self.block_size} tokens hold fewer "
                 f"than one max_model_len={self.max_model_len} sequence, which needs {blocks_per_seq} "
