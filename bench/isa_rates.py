@@ -5,10 +5,12 @@
 Compiles a small C++ probe with g++ -O3 -march=native and times, on one thread, long runs of
 independent accumulations (24 vector accumulators, 4 AMX tiles) for every instruction this CPU
 has: fp32 FMA (ymm, zmm), AVX512-BF16 `vdpbf16ps`, AVX512-VNNI / AVX-VNNI `vpdpbusd` (u8 x s8 into
-int32), and AMX `tdpbf16ps` / `tdpbusd`. Prints each one's instructions and multiply-adds a second.
-What it answers: whether a lower-precision form of a GEMM has more arithmetic to give on this
-kind. (On the 2-core Zen 4, `vpdpbusd` zmm issues at half `vdpbf16ps`'s rate, so int8 gives no
-more multiply-adds than bf16 there: bench/RESULTS.md, forty-fifth session.)
+int32) and `vpdpwssd` (s16 x s16 into int32), and AMX `tdpbf16ps` / `tdpbusd`. Prints each one's
+instructions and multiply-adds a second. What it answers: whether a lower-precision form of a GEMM
+or of the attention kernels' products has more arithmetic to give on this kind. (On the 2-core Zen
+4, `vpdpbusd` and `vpdpwssd` zmm issue at ~0.6x `vdpbf16ps`'s rate, so int8 gives about as many
+multiply-adds as bf16 there and int16 about 0.6x as many: bench/RESULTS.md, forty-fifth and
+seventy-second sessions.)
 """
 from __future__ import annotations
 
@@ -99,6 +101,10 @@ int main() {
 #endif
 #if defined(__AVX512VNNI__)
   VEC_PROBE("vpdpbusd zmm (int8)", 64, __m512i, _mm512_set1_epi32(0x01010101), _mm512_dpbusd_epi32(acc[i], a, a),
+            _mm512_add_epi32(s, acc[i]))
+#endif
+#if defined(__AVX512VNNI__)
+  VEC_PROBE("vpdpwssd zmm (int16)", 32, __m512i, _mm512_set1_epi32(0x00010001), _mm512_dpwssd_epi32(acc[i], a, a),
             _mm512_add_epi32(s, acc[i]))
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
