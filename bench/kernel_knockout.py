@@ -1,21 +1,22 @@
 """What the CPU attention kernels wait for: this checkout's kernel against copies of it with one part
 knocked out, alternating in one process.
 
-    python bench/kernel_knockout.py decode [--cache bf16|int8|e4m3] [--hot] [--reps 20]
+    python bench/kernel_knockout.py decode [--cache bf16|int8|e4m3] [--model smollm2|llama8b] [--hot] [--reps 20]
     python bench/kernel_knockout.py prefill [--calls 20]
     python bench/kernel_knockout.py decode --only qk_dots,all_dots
 
 Each knock-out is kernels/csrc/paged_attention_cpu.cpp with a few lines replaced (KNOCKOUTS below),
 built as its own extension (ops under ``torch.ops.pagoda_ko_<name>``). Its outputs are wrong by
 design: only its time means anything. A knock-out's speed over the kernel's says how much of the
-kernel's time that part costs where it is timed: from DRAM (decode: bench/kernel_bench.py's first
-three SmolLM2 cases, every call on another layer's caches, scattered blocks), with K/V in L2
-(``--hot``: 4 sequences of 512 tokens), or on W-like prefill steps (bench/prefill_kernel_ab.py's
-cases). Removing the arithmetic of a part that runs beside the memory reads barely moves a
+kernel's time that part costs where it is timed: from DRAM (decode: bench/kernel_bench.py's cases of
+``--model``'s shapes, SmolLM2's by default, every call on another layer's caches, scattered blocks),
+with K/V in L2 (``--hot``: SmolLM2 4 sequences of 512 tokens, Llama-8B one of 256), or on W-like
+prefill steps (bench/prefill_kernel_ab.py's cases). Removing the arithmetic of a part that runs beside the memory reads barely moves a
 DRAM-bound call; removing it where the core waits on it does.
 
 Decode knock-outs (the bf16 query paths with vdpbf16ps, AVX512-BF16 builds; ``--cache`` picks the
-cache's format): ``qk_dots`` the Q K^T dot products (the K rows still loaded), ``pv_dots`` the P V
+cache's format): ``qk_dots`` the Q K^T dot products (the K rows still loaded; SmolLM2's paired tokens and Llama-8B's
+one token a vector), ``pv_dots`` the P V
 dot products (the V rows still loaded and interleaved), ``all_dots`` both. Prefill knock-outs (the
 AMX panel, CPUs with AMX-BF16): ``exp`` the softmax's exponentials (the identity instead),
 ``softmax`` the whole softmax (scores rounded straight to P), ``o_update`` the O = O * alpha + P V
@@ -51,6 +52,16 @@ _QK_I8 = """        for (int j = 0; j < NH; ++j) {
         }
 """
 _KEEP_KV = '        asm volatile("" :: "v"(kv));\n'  # the load stays, its products go
+_QK_I8_ONE = """        for (int j = 0; j < NH; ++j) {
+          const auto* digits = reinterpret_cast<const uint8_t*>(qf + (static_cast<size_t>(kh) * g + j) * D);
+          ph[j] = _mm512_dpbusd_epi32(ph[j], kv, _mm512_maskz_loadu_epi8(mask, digits + c * 64));
+          pl[j] = _mm512_dpbusd_epi32(pl[j], kv, _mm512_maskz_loadu_epi8(mask, digits + D + c * 64));
+        }
+"""  # (span_scores_i8dot: one token a vector, the Llama-8B shapes' path)
+_QK_BF16_ONE = """          for (int j = 0; j < NH; ++j)
+            part[j] = _mm512_dpbf16_ps(part[j], (__m512bh)_mm512_loadu_si512(qh + j * D + c * 32), kv);
+"""
+_KEEP_KV_ONE = '          asm volatile("" :: "v"(kv));\n'
 _PV = """          for (int j = 0; j < NH; ++j) {
             lo[w][j] = pv_dot<F8>(lo[w][j], vlo, pw[j]);
             hi[w][j] = pv_dot<F8>(hi[w][j], vhi, pw[j]);
@@ -79,9 +90,11 @@ _SCORES_TO_P = """  (void)qscale;
 
 # name: (kernel, [(lines, replacement), ...])
 KNOCKOUTS = {
-    "qk_dots": ("decode", [(_QK_BF16, _KEEP_KV), (_QK_I8, _KEEP_KV)]),
+    "qk_dots": ("decode", [(_QK_BF16, _KEEP_KV), (_QK_I8, _KEEP_KV), (_QK_I8_ONE, _KEEP_KV),
+                           (_QK_BF16_ONE, _KEEP_KV_ONE)]),
     "pv_dots": ("decode", [(_PV, _KEEP_V)]),
-    "all_dots": ("decode", [(_QK_BF16, _KEEP_KV), (_QK_I8, _KEEP_KV), (_PV, _KEEP_V)]),
+    "all_dots": ("decode", [(_QK_BF16, _KEEP_KV), (_QK_I8, _KEEP_KV), (_QK_I8_ONE, _KEEP_KV),
+                            (_QK_BF16_ONE, _KEEP_KV_ONE), (_PV, _KEEP_V)]),
     "exp": ("prefill", [("    row_probs(x, mk[r], mnew[r], alpha[r], S.lsum[row0 + r], e);\n",
                          "    for (int v = 0; v < 4; ++v) e[v] = _mm512_maskz_mov_ps(mk[r][v], x[v]);\n"
                          "    S.lsum[row0 + r].v = _mm512_add_ps(S.lsum[row0 + r].v, e[0]);\n")]),
@@ -115,7 +128,8 @@ def decode(args, ops) -> None:
     from pagoda_kernels.cpu_attention import paged_decode_attention
 
     kernel_bench.MIN_CACHE_BYTES = 0 if args.hot else args.cache_mb << 20
-    cases = [("smollm2", 9, 3, 64, 4, 512)] if args.hot else kernel_bench.CASES[:3]
+    hot = {"smollm2": ("smollm2", 9, 3, 64, 4, 512), "llama8b": ("llama8b", 32, 8, 128, 1, 256)}
+    cases = [hot[args.model]] if args.hot else [c for c in kernel_bench.CASES if c[0] == args.model]
     convert = {"bf16": None, "int8": quantize_int8_rows, "e4m3": lambda t: t.to(torch.float8_e4m3fn)}[args.cache]
     nt = torch.get_num_threads()
     print(f"decode, bf16 queries, {args.cache} cache, {nt} threads, {'K/V in L2' if args.hot else 'from DRAM'}, "
@@ -167,7 +181,10 @@ def main() -> int:
     ap.add_argument("kernel", choices=["decode", "prefill"])
     ap.add_argument("--only", default=None, help="comma-separated knock-outs (default: every one of the kernel's)")
     ap.add_argument("--cache", default="bf16", choices=["bf16", "int8", "e4m3"], help="decode: the K/V cache's format")
-    ap.add_argument("--hot", action="store_true", help="decode: K/V in L2 (4 x 512 tokens), one thread unless --threads")
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "llama8b"],
+                    help="decode: the shapes (kernel_bench.CASES of that model)")
+    ap.add_argument("--hot", action="store_true",
+                    help="decode: K/V in L2 (SmolLM2 4 x 512 tokens, Llama-8B 1 x 256), one thread unless --threads")
     ap.add_argument("--reps", type=int, default=20, help="decode: timed calls of each kernel per case")
     ap.add_argument("--cache-mb", type=int, default=512, help="decode: bf16 K/V cycled through per case")
     ap.add_argument("--calls", type=int, default=20, help="prefill: timed calls of each kernel per case")
