@@ -54,8 +54,8 @@ _QK_I8 = """        for (int j = 0; j < NH; ++j) {
 _KEEP_KV = '        asm volatile("" :: "v"(kv));\n'  # the load stays, its products go
 _QK_I8_ONE = """        for (int j = 0; j < NH; ++j) {
           const auto* digits = reinterpret_cast<const uint8_t*>(qf + (static_cast<size_t>(kh) * g + j) * D);
-          ph[j] = _mm512_dpbusd_epi32(ph[j], kv, _mm512_maskz_loadu_epi8(mask, digits + c * 64));
-          pl[j] = _mm512_dpbusd_epi32(pl[j], kv, _mm512_maskz_loadu_epi8(mask, digits + D + c * 64));
+          ph[j] = _mm512_dpbusd_epi32(ph[j], kv, load(digits + c * 64));
+          pl[j] = _mm512_dpbusd_epi32(pl[j], kv, load(digits + D + c * 64));
         }
 """  # (span_scores_i8dot: one token a vector, the Llama-8B shapes' path)
 _QK_BF16_ONE = """          for (int j = 0; j < NH; ++j)
