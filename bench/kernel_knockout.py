@@ -1,7 +1,8 @@
 """What the CPU attention kernels wait for: this checkout's kernel against copies of it with one part
 knocked out, alternating in one process.
 
-    python bench/kernel_knockout.py decode [--cache bf16|int8|e4m3] [--model smollm2|llama8b] [--hot] [--reps 20]
+    python bench/kernel_knockout.py decode [--cache bf16|int8|e4m3] [--model smollm2|llama8b] [--hot]
+                                           [--reps 20]
     python bench/kernel_knockout.py prefill [--calls 20]
     python bench/kernel_knockout.py decode --only qk_dots,all_dots
 
@@ -11,13 +12,13 @@ design: only its time means anything. A knock-out's speed over the kernel's says
 kernel's time that part costs where it is timed: from DRAM (decode: bench/kernel_bench.py's cases of
 ``--model``'s shapes, SmolLM2's by default, every call on another layer's caches, scattered blocks),
 with K/V in L2 (``--hot``: SmolLM2 4 sequences of 512 tokens, Llama-8B one of 256), or on W-like
-prefill steps (bench/prefill_kernel_ab.py's cases). Removing the arithmetic of a part that runs beside the memory reads barely moves a
-DRAM-bound call; removing it where the core waits on it does.
+prefill steps (bench/prefill_kernel_ab.py's cases). Removing the arithmetic of a part that runs
+beside the memory reads barely moves a DRAM-bound call; removing it where the core waits on it does.
 
 Decode knock-outs (the bf16 query paths with vdpbf16ps, AVX512-BF16 builds; ``--cache`` picks the
-cache's format): ``qk_dots`` the Q K^T dot products (the K rows still loaded; SmolLM2's paired tokens and Llama-8B's
-one token a vector), ``pv_dots`` the P V
-dot products (the V rows still loaded and interleaved), ``all_dots`` both. Prefill knock-outs (the
+cache's format): ``qk_dots`` the Q K^T dot products (the K rows still loaded; SmolLM2's paired
+tokens and Llama-8B's one token a vector), ``pv_dots`` the P V dot products (the V rows still loaded
+and interleaved), ``all_dots`` both. Prefill knock-outs (the
 AMX panel, CPUs with AMX-BF16): ``exp`` the softmax's exponentials (the identity instead),
 ``softmax`` the whole softmax (scores rounded straight to P), ``o_update`` the O = O * alpha + P V
 update, ``qk_tiles`` the Q K^T tile products (the tile loads stay), ``kv_pack`` every key tile's

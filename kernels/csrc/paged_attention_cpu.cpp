@@ -750,7 +750,7 @@ PAGODA_INLINE float softmax_span(V16* s, int n, float qscale, float& m, V16& lsu
 // span_scores for an int8 cache in integer dot products (i8_query_digits), one token a vector: a
 // kv head's row in 64-code chunks (a last partial one masked), tmp[(kh * NH + j) * kSpan + t] gets
 // the 16-lane partial sums in hi units (the bias still on). The full chunks' loads are plain, so
-// the digits' ones fold into vpdpbusd: with masked loads throughout, Llama-8B shapes ran 5-6% slower
+// the digits' ones fold into vpdpbusd: with masked loads throughout, Llama-8B shapes ran 2-6% slower
 // (Zen 4, hot and from DRAM).
 template <int NH>
 PAGODA_INLINE void span_scores_i8dot(const SpanArgs& A, const float* qf, V16* tmp) {
