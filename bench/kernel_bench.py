@@ -49,6 +49,9 @@ CASES = [
     ("llama8b", 32, 8, 128, 16, 1024),
     ("llama8b", 32, 8, 128, 2, 4096),
 ]
+# The same shapes small enough that their bf16 K/V (0.8-1 MB) stay within a core's L2: the kernels'
+# arithmetic alone (bench/kv_fp8_decode.py and bench/kernel_knockout.py, ``--hot``).
+HOT_CASES = [("smollm2", 9, 3, 64, 4, 512), ("llama8b", 32, 8, 128, 1, 256)]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 BLOCK_SIZE = 64  # KV block size (tokens): the engine's default, 64 on CPU and 16 on CUDA (set in main)
 MIN_CACHE_BYTES = 256 << 20  # cycle through this much KV (> L3) so every call streams from DRAM

@@ -129,8 +129,7 @@ def decode(args, ops) -> None:
     from pagoda_kernels.cpu_attention import paged_decode_attention
 
     kernel_bench.MIN_CACHE_BYTES = 0 if args.hot else args.cache_mb << 20
-    hot = {"smollm2": ("smollm2", 9, 3, 64, 4, 512), "llama8b": ("llama8b", 32, 8, 128, 1, 256)}
-    cases = [hot[args.model]] if args.hot else [c for c in kernel_bench.CASES if c[0] == args.model]
+    cases = [c for c in (kernel_bench.HOT_CASES if args.hot else kernel_bench.CASES) if c[0] == args.model]
     convert = {"bf16": None, "int8": quantize_int8_rows, "e4m3": lambda t: t.to(torch.float8_e4m3fn)}[args.cache]
     nt = torch.get_num_threads()
     print(f"decode, bf16 queries, {args.cache} cache, {nt} threads, {'K/V in L2' if args.hot else 'from DRAM'}, "

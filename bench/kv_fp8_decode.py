@@ -16,8 +16,8 @@ here the bf16 cache holds random values, which the codes round. ``--baseline OLD
 revision's kernels/csrc/paged_attention_cpu.cpp, built as its own extension) also runs its decode
 kernel on the e5m2 and e4m3 codes (and the int8 ones, where this build reads them) in the same
 turns: before / after on the coded caches in one process. ``--hot``: the arithmetic alone, one thread
-(unless ``--threads``), small cases whose K/V stay in L2 (HOT_CASES), each call's caches those of
-the call before.
+(unless ``--threads``), small cases whose K/V stay in L2 (kernel_bench.HOT_CASES), each call's
+caches those of the call before.
 """
 from __future__ import annotations
 
@@ -32,10 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernel_bench  # noqa: E402
-
-
-# (label, q heads, kv heads, head dim, batch, context): bf16 K/V of 0.8-1 MB, within a core's L2.
-HOT_CASES = [("smollm2", 9, 3, 64, 4, 512), ("llama8b", 32, 8, 128, 1, 256)]
 
 
 def main() -> int:
@@ -75,7 +71,7 @@ def main() -> int:
     print(header)
     print("-" * len(header))
     prec = 4 if args.hot else 2  # ms digits
-    for label, h, kvh, d, batch, ctx in HOT_CASES if args.hot else kernel_bench.CASES:
+    for label, h, kvh, d, batch, ctx in kernel_bench.HOT_CASES if args.hot else kernel_bench.CASES:
         q, caches, meta, nbytes = kernel_bench.make_case(h, kvh, d, batch, ctx, dtype)
         codes = {f8: {id(k): (k.to(f8), v.to(f8)) for k, v in caches}
                  for f8 in (torch.float8_e5m2, torch.float8_e4m3fn)}
