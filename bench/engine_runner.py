@@ -6,9 +6,10 @@
 Runs inside the engine's own virtualenv (vLLM pins its own transformers, so it cannot share
 Pagoda's; llama-cpp-python is built from source in its own), started by bench/compare.py. Pagoda
 and vLLM are driven the same way: every request is added at t0, then the engine's step loop runs
-to completion; the wall clock at the step that returns a request's first token is its TTFT. The
-transformers and llama.cpp baselines run their own generation calls to completion (no TTFT is
-recorded for them). Model loading and warm-up (vLLM compiles at start-up) are excluded.
+to completion; the wall clock at the step that returns a request's first token is its TTFT.
+transformers' continuous batching (hf-cb) is driven the same way through its own manager, with a
+TTFT a request; its other baselines and llama.cpp's run their own generation calls to completion
+(no TTFT is recorded for them). Model loading and warm-up (vLLM compiles at start-up) are excluded.
 Pure standard library plus the engine, so it imports in any of the venvs.
 """
 from __future__ import annotations
@@ -202,8 +203,7 @@ def run_vllm(args, requests) -> dict:
 
 def run_transformers(args, requests) -> dict:
     """transformers baselines in Pagoda's venv: one prompt at a time, padded static batches of 32,
-    or its own continuous batching (``generate_batch``: one max_new_tokens for all, so every
-    request runs to the longest length and only the requested tokens are counted)."""
+    or its own continuous batching (``run_hf_cb``)."""
     import torch
     import transformers
 
@@ -217,16 +217,46 @@ def run_transformers(args, requests) -> dict:
     elif args.engine == "hf-static":
         res = run_hf_static(model, requests)
     else:
-        from transformers import GenerationConfig
-
-        cfg = GenerationConfig(max_new_tokens=max(r["max_tokens"] for r in requests), do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate_batch([r["prompt_token_ids"] for r in requests], generation_config=cfg)
-        res = {"elapsed": time.perf_counter() - t0, "output_tokens": sum(r["max_tokens"] for r in requests)}
+        res = run_hf_cb(model, requests)
     res["engine"] = f"transformers {transformers.__version__} {args.engine}"
     return res
+
+
+def run_hf_cb(model, requests) -> dict:
+    """transformers' own continuous batching (the manager behind ``generate_batch``: paged KV cache,
+    FIFO scheduler), driven as Pagoda and vLLM are: every request added at t0 with its own
+    ``max_new_tokens`` (EOS off), results collected as they finish; a request's TTFT is its first
+    token's timestamp. The manager's start-up and warm-up are excluded, as vLLM's are. Refuses to
+    report a run in which any request came back with other than its requested token count."""
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
+                           max_new_tokens=max(r["max_tokens"] for r in requests))
+    hints = WorkloadHints(max_prompt_length=max(len(r["prompt_token_ids"]) for r in requests),
+                          max_generated_length=cfg.max_new_tokens, num_requests=len(requests))
+    results = {}
+    with torch.inference_mode(), model.continuous_batching_context_manager(
+            generation_config=cfg, block=True, timeout=30, workload_hints=hints) as manager:
+        t0 = time.perf_counter()
+        for r in requests:
+            manager.add_request(r["prompt_token_ids"], request_id=str(r["id"]), max_new_tokens=r["max_tokens"],
+                                record_timestamps=True)
+        while len(results) < len(requests):
+            out = manager.get_result(timeout=1)
+            if out is not None and out.is_finished():
+                results[out.request_id] = out
+            elif out is None and not manager.is_running():
+                sys.exit(f"transformers' continuous batching stopped with {len(results)} of {len(requests)} done")
+        elapsed = time.perf_counter() - t0
+    wrong = [r["id"] for r in requests
+             if results[str(r["id"])].error or len(results[str(r["id"])].generated_tokens) != r["max_tokens"]]
+    if wrong:
+        sys.exit(f"transformers' continuous batching returned the wrong token count or an error for {wrong[:10]}")
+    ttft = sorted(results[str(r["id"])].timestamps[0] - t0 for r in requests)
+    return {"elapsed": elapsed, "output_tokens": sum(r["max_tokens"] for r in requests),
+            "ttft_p50": ttft[len(ttft) // 2], "ttft_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]}
 
 
 def run_llamacpp(args, requests) -> dict:

@@ -187,3 +187,21 @@ def test_host_description_names_the_kind_a_command_ran_on(compare):
     assert compare.host_description(bare, 4) == (
         "Some CPU (family ? model ?; none of amx_bf16/avx512_bf16/avx512f/avx2), 4 CPUs")
     assert compare.host_description("", None) == "unknown CPU, None CPUs"
+
+
+def test_transformers_continuous_batching_baseline_serves_each_request_its_own_length(bundled_dir):
+    """engine_runner's hf-cb row: transformers' continuous batching with each request's own
+    max_new_tokens (not the longest for all, which would count less work than it did), EOS off,
+    and a TTFT per request; a run that returned other token counts is refused, not reported."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location("pagoda_bench_engine_runner", ROOT / "bench" / "engine_runner.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    model = AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.bfloat16).eval()
+    requests = [{"id": i, "prompt_token_ids": list(range(100 + i, 140 + 7 * i)), "max_tokens": n}
+                for i, n in enumerate((2, 9, 4))]
+    res = runner.run_hf_cb(model, requests)
+    assert res["output_tokens"] == 15
+    assert 0 < res["ttft_p50"] <= res["ttft_p99"] <= res["elapsed"]
