@@ -52,9 +52,14 @@ def drive(engine, add, requests) -> dict:
                 done[o.request_id] = now - t0
                 tokens[o.request_id] = len(c.token_ids)
     elapsed = time.perf_counter() - t0
-    ttft = sorted(first.values())
     return {"elapsed": elapsed, "output_tokens": sum(tokens.values()), "requests": len(done), "steps": steps,
-            "ttft_p50": ttft[len(ttft) // 2], "ttft_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+            **ttft_figures(first.values())}
+
+
+def ttft_figures(values) -> dict:
+    """p50, p99 and mean of the requests' TTFTs (seconds from t0)."""
+    ttft = sorted(values)
+    return {"ttft_p50": ttft[len(ttft) // 2], "ttft_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
             "ttft_mean": sum(ttft) / len(ttft)}
 
 
@@ -254,9 +259,8 @@ def run_hf_cb(model, requests) -> dict:
              if results[str(r["id"])].error or len(results[str(r["id"])].generated_tokens) != r["max_tokens"]]
     if wrong:
         sys.exit(f"transformers' continuous batching returned the wrong token count or an error for {wrong[:10]}")
-    ttft = sorted(results[str(r["id"])].timestamps[0] - t0 for r in requests)
     return {"elapsed": elapsed, "output_tokens": sum(r["max_tokens"] for r in requests),
-            "ttft_p50": ttft[len(ttft) // 2], "ttft_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]}
+            **ttft_figures(results[str(r["id"])].timestamps[0] - t0 for r in requests)}
 
 
 def run_llamacpp(args, requests) -> dict:
