@@ -255,12 +255,12 @@ def run_hf_cb(model, requests) -> dict:
             elif out is None and not manager.is_running():
                 sys.exit(f"transformers' continuous batching stopped with {len(results)} of {len(requests)} done")
         elapsed = time.perf_counter() - t0
-    wrong = [r["id"] for r in requests
-             if results[str(r["id"])].error or len(results[str(r["id"])].generated_tokens) != r["max_tokens"]]
+    outs = [results[str(r["id"])] for r in requests]
+    wrong = [r["id"] for r, out in zip(requests, outs) if out.error or len(out.generated_tokens) != r["max_tokens"]]
     if wrong:
         sys.exit(f"transformers' continuous batching returned the wrong token count or an error for {wrong[:10]}")
     return {"elapsed": elapsed, "output_tokens": sum(r["max_tokens"] for r in requests),
-            **ttft_figures(results[str(r["id"])].timestamps[0] - t0 for r in requests)}
+            **ttft_figures(out.timestamps[0] - t0 for out in outs)}
 
 
 def run_llamacpp(args, requests) -> dict:
