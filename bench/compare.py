@@ -56,6 +56,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -294,10 +295,21 @@ def engine_command(engine: str, args) -> tuple[str, list[str], dict]:
 def run_engine(engine: str, args) -> dict:
     py, cmd, env = engine_command(engine, args)
     t = time.perf_counter()
-    proc = subprocess.run([py, *cmd], cwd=ROOT, env=env, capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    proc = subprocess.Popen([py, *cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    stdout = []
+    reader = threading.Thread(target=lambda: stdout.append(proc.stdout.read()))
+    reader.start()
+    stderr = []
+    for line in proc.stderr:  # a long baseline's PROGRESS lines shown as they come
+        stderr.append(line)
+        if line.startswith("PROGRESS "):
+            print(f"  {engine}: {line[len('PROGRESS '):]}", end="", file=sys.stderr, flush=True)
+    reader.join()
+    proc.wait()
+    lines = [line for line in stdout[0].splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
+        tail = "\n".join((stdout[0] + "".join(stderr)).splitlines()[-25:])
         raise RuntimeError(f"{engine} failed (rc {proc.returncode}):\n{tail}")
     res = json.loads(lines[-1][len("RESULT "):])
     res["wall"] = time.perf_counter() - t

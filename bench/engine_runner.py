@@ -227,6 +227,11 @@ def run_transformers(args, requests) -> dict:
     return res
 
 
+def progress(line: str) -> None:
+    """A line bench/compare.py shows while the run goes on (it captures everything else)."""
+    print("PROGRESS " + line, file=sys.stderr, flush=True)
+
+
 def run_hf_cb(model, requests) -> dict:
     """transformers' own continuous batching (the manager behind ``generate_batch``: paged KV cache,
     FIFO scheduler), driven as Pagoda and vLLM are: every request added at t0 with its own
@@ -248,10 +253,15 @@ def run_hf_cb(model, requests) -> dict:
         for r in requests:
             manager.add_request(r["prompt_token_ids"], request_id=str(r["id"]), max_new_tokens=r["max_tokens"],
                                 record_timestamps=True)
+        every = max(1, len(requests) // 16)
         while len(results) < len(requests):
             out = manager.get_result(timeout=1)
             if out is not None and out.is_finished():
                 results[out.request_id] = out
+                if len(results) % every == 0:
+                    progress(f"{len(results)}/{len(requests)} requests done, "
+                             f"{sum(len(o.generated_tokens) for o in results.values())} tokens, "
+                             f"{time.perf_counter() - t0:.0f} s")
             elif out is None and not manager.is_running():
                 sys.exit(f"transformers' continuous batching stopped with {len(results)} of {len(requests)} done")
         elapsed = time.perf_counter() - t0

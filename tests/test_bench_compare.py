@@ -189,7 +189,7 @@ def test_host_description_names_the_kind_a_command_ran_on(compare):
     assert compare.host_description("", None) == "unknown CPU, None CPUs"
 
 
-def test_transformers_continuous_batching_baseline_serves_each_request_its_own_length(bundled_dir):
+def test_transformers_continuous_batching_baseline_serves_each_request_its_own_length(bundled_dir, capsys):
     """engine_runner's hf-cb row: transformers' continuous batching with each request's own
     max_new_tokens (not the longest for all, which would count less work than it did), EOS off,
     and a TTFT per request; a run that returned other token counts is refused, not reported."""
@@ -204,4 +204,20 @@ def test_transformers_continuous_batching_baseline_serves_each_request_its_own_l
                 for i, n in enumerate((2, 9, 4))]
     res = runner.run_hf_cb(model, requests)
     assert res["output_tokens"] == 15
+    assert "PROGRESS 3/3 requests done, 15 tokens" in capsys.readouterr().err  # what compare.py shows live
     assert 0 < res["ttft_p50"] <= res["ttft_p99"] <= res["elapsed"]
+
+
+def test_run_engine_shows_progress_as_it_comes_and_reads_the_result(compare, monkeypatch, capsys):
+    """A baseline that runs for an hour shows its PROGRESS lines while it runs; the rest of its
+    output stays captured, the RESULT line is the row, and a failed run raises with its tail."""
+    child = ("import sys, json; print('chatter', file=sys.stderr); "
+             "print('PROGRESS 8/16 requests done', file=sys.stderr, flush=True); "
+             "print('RESULT ' + json.dumps({'output_tokens': 5, 'elapsed': 2.0})); sys.exit(int(sys.argv[1]))")
+    monkeypatch.setattr(compare, "engine_command", lambda engine, args: (sys.executable, ["-c", child, args], {}))
+    res = compare.run_engine("hf-cb", "0")
+    assert res["output_tokens"] == 5 and res["elapsed"] == 2.0 and res["wall"] > 0
+    shown = capsys.readouterr().err
+    assert "hf-cb: 8/16 requests done" in shown and "chatter" not in shown
+    with pytest.raises(RuntimeError, match=r"(?s)hf-cb failed \(rc 3\).*RESULT.*chatter"):
+        compare.run_engine("hf-cb", "3")
