@@ -218,7 +218,9 @@ def run_transformers(args, requests) -> dict:
 
     model = load_hf(getattr(torch, args.dtype))
     if args.engine == "hf-single":
-        res = run_hf_single(model, requests)
+        every = max(1, len(requests) // 16)
+        res = run_hf_single(model, requests, on_done=lambda done, tokens, seconds: done % every or progress(
+            f"{done}/{len(requests)} requests done, {tokens} tokens, {seconds:.0f} s"))
     elif args.engine == "hf-static":
         res = run_hf_static(model, requests)
     else:

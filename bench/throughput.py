@@ -78,15 +78,18 @@ def load_hf(dtype: torch.dtype):
 
 
 @torch.inference_mode()
-def run_hf_single(model, requests) -> dict:
+def run_hf_single(model, requests, on_done=None) -> dict:
+    """One prompt at a time; ``on_done(requests done, tokens so far, seconds)`` after each."""
     t0 = time.perf_counter()
     total = 0
-    for r in requests:
+    for i, r in enumerate(requests):
         ids = torch.tensor([r["prompt_token_ids"]])
         m = r["max_tokens"]
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m, min_new_tokens=m,
                              do_sample=False, pad_token_id=0)
         total += out.shape[1] - ids.shape[1]
+        if on_done:
+            on_done(i + 1, total, time.perf_counter() - t0)
     return {"elapsed": time.perf_counter() - t0, "output_tokens": total}
 
 
