@@ -208,6 +208,23 @@ def test_transformers_continuous_batching_baseline_serves_each_request_its_own_l
     assert 0 < res["ttft_p50"] <= res["ttft_p99"] <= res["elapsed"]
 
 
+def test_transformers_one_prompt_at_a_time_reports_each_request_as_it_finishes(bundled_dir):
+    """The hf-single row's loop: exactly each request's own token count, and the running totals
+    engine_runner turns into the PROGRESS lines an hour-long W run is followed by."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import throughput
+
+    model = AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.bfloat16).eval()
+    requests = [{"prompt_token_ids": list(range(100 + i, 130 + 5 * i)), "max_tokens": n}
+                for i, n in enumerate((2, 9, 4))]
+    seen = []
+    res = throughput.run_hf_single(model, requests, on_done=lambda done, tokens, seconds: seen.append((done, tokens)))
+    assert seen == [(1, 2), (2, 11), (3, 15)] and res["output_tokens"] == 15
+
+
 def test_run_engine_shows_progress_as_it_comes_and_reads_the_result(compare, monkeypatch, capsys):
     """A baseline that runs for an hour shows its PROGRESS lines while it runs; the rest of its
     output stays captured, the RESULT line is the row, and a failed run raises with its tail."""
