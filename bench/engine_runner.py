@@ -218,9 +218,8 @@ def run_transformers(args, requests) -> dict:
 
     model = load_hf(getattr(torch, args.dtype))
     if args.engine == "hf-single":
-        every = max(1, len(requests) // 16)
-        res = run_hf_single(model, requests, on_done=lambda done, tokens, seconds: done % every or progress(
-            f"{done}/{len(requests)} requests done, {tokens} tokens, {seconds:.0f} s"))
+        res = run_hf_single(model, requests,
+                            on_done=lambda done, tokens, seconds: progress(done, len(requests), tokens, seconds))
     elif args.engine == "hf-static":
         res = run_hf_static(model, requests)
     else:
@@ -229,9 +228,11 @@ def run_transformers(args, requests) -> dict:
     return res
 
 
-def progress(line: str) -> None:
-    """A line bench/compare.py shows while the run goes on (it captures everything else)."""
-    print("PROGRESS " + line, file=sys.stderr, flush=True)
+def progress(done: int, total: int, tokens: int, seconds: float) -> None:
+    """After every sixteenth of a run's requests, a line bench/compare.py shows while the run goes
+    on (it captures everything else)."""
+    if done % max(1, total // 16) == 0:
+        print(f"PROGRESS {done}/{total} requests done, {tokens} tokens, {seconds:.0f} s", file=sys.stderr, flush=True)
 
 
 def run_hf_cb(model, requests) -> dict:
@@ -255,15 +256,12 @@ def run_hf_cb(model, requests) -> dict:
         for r in requests:
             manager.add_request(r["prompt_token_ids"], request_id=str(r["id"]), max_new_tokens=r["max_tokens"],
                                 record_timestamps=True)
-        every = max(1, len(requests) // 16)
         while len(results) < len(requests):
             out = manager.get_result(timeout=1)
             if out is not None and out.is_finished():
                 results[out.request_id] = out
-                if len(results) % every == 0:
-                    progress(f"{len(results)}/{len(requests)} requests done, "
-                             f"{sum(len(o.generated_tokens) for o in results.values())} tokens, "
-                             f"{time.perf_counter() - t0:.0f} s")
+                progress(len(results), len(requests), sum(len(o.generated_tokens) for o in results.values()),
+                         time.perf_counter() - t0)
             elif out is None and not manager.is_running():
                 sys.exit(f"transformers' continuous batching stopped with {len(results)} of {len(requests)} done")
         elapsed = time.perf_counter() - t0
