@@ -249,7 +249,7 @@ def run_hf_cb(model, requests) -> dict:
                            max_new_tokens=max(r["max_tokens"] for r in requests))
     hints = WorkloadHints(max_prompt_length=max(len(r["prompt_token_ids"]) for r in requests),
                           max_generated_length=cfg.max_new_tokens, num_requests=len(requests))
-    results = {}
+    results, tokens = {}, 0
     with torch.inference_mode(), model.continuous_batching_context_manager(
             generation_config=cfg, block=True, timeout=30, workload_hints=hints) as manager:
         t0 = time.perf_counter()
@@ -260,8 +260,8 @@ def run_hf_cb(model, requests) -> dict:
             out = manager.get_result(timeout=1)
             if out is not None and out.is_finished():
                 results[out.request_id] = out
-                progress(len(results), len(requests), sum(len(o.generated_tokens) for o in results.values()),
-                         time.perf_counter() - t0)
+                tokens += len(out.generated_tokens)
+                progress(len(results), len(requests), tokens, time.perf_counter() - t0)
             elif out is None and not manager.is_running():
                 sys.exit(f"transformers' continuous batching stopped with {len(results)} of {len(requests)} done")
         elapsed = time.perf_counter() - t0

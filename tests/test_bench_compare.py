@@ -189,39 +189,40 @@ def test_host_description_names_the_kind_a_command_ran_on(compare):
     assert compare.host_description("", None) == "unknown CPU, None CPUs"
 
 
-def test_transformers_continuous_batching_baseline_serves_each_request_its_own_length(bundled_dir, capsys):
-    """engine_runner's hf-cb row: transformers' continuous batching with each request's own
-    max_new_tokens (not the longest for all, which would count less work than it did), EOS off,
-    and a TTFT per request; a run that returned other token counts is refused, not reported."""
+@pytest.fixture(scope="module")
+def hf_model(bundled_dir):
+    """The bundled model in transformers, bf16, loaded once for the baselines' tests."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    spec = importlib.util.spec_from_file_location("pagoda_bench_engine_runner", ROOT / "bench" / "engine_runner.py")
-    runner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runner)
-    model = AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.bfloat16).eval()
-    requests = [{"id": i, "prompt_token_ids": list(range(100 + i, 140 + 7 * i)), "max_tokens": n}
-                for i, n in enumerate((2, 9, 4))]
-    res = runner.run_hf_cb(model, requests)
+    return AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.bfloat16).eval()
+
+
+# Three requests of 2, 9 and 4 tokens: 15 in all, running totals 2, 11, 15.
+THREE_REQUESTS = [{"id": i, "prompt_token_ids": list(range(100 + i, 140 + 7 * i)), "max_tokens": n}
+                  for i, n in enumerate((2, 9, 4))]
+
+
+def test_transformers_continuous_batching_baseline_serves_each_request_its_own_length(compare, hf_model, capsys):
+    """engine_runner's hf-cb row: transformers' continuous batching with each request's own
+    max_new_tokens (not the longest for all, which would count less work than it did), EOS off,
+    and a TTFT per request; a run that returned other token counts is refused, not reported."""
+    import engine_runner  # on the path compare.py puts bench/ on
+
+    res = engine_runner.run_hf_cb(hf_model, THREE_REQUESTS)
     assert res["output_tokens"] == 15
     assert "PROGRESS 3/3 requests done, 15 tokens" in capsys.readouterr().err  # what compare.py shows live
     assert 0 < res["ttft_p50"] <= res["ttft_p99"] <= res["elapsed"]
 
 
-def test_transformers_one_prompt_at_a_time_reports_each_request_as_it_finishes(bundled_dir):
+def test_transformers_one_prompt_at_a_time_reports_each_request_as_it_finishes(compare, hf_model):
     """The hf-single row's loop: exactly each request's own token count, and the running totals
     engine_runner turns into the PROGRESS lines an hour-long W run is followed by."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    import throughput  # on the path compare.py puts bench/ on
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import throughput
-
-    model = AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.bfloat16).eval()
-    requests = [{"prompt_token_ids": list(range(100 + i, 130 + 5 * i)), "max_tokens": n}
-                for i, n in enumerate((2, 9, 4))]
     seen = []
-    res = throughput.run_hf_single(model, requests, on_done=lambda done, tokens, seconds: seen.append((done, tokens)))
+    res = throughput.run_hf_single(hf_model, THREE_REQUESTS,
+                                   on_done=lambda done, tokens, seconds: seen.append((done, tokens)))
     assert seen == [(1, 2), (2, 11), (3, 15)] and res["output_tokens"] == 15
 
 
