@@ -16,7 +16,8 @@ fi
 # llama.cpp built for a CPU with AMX-INT8 puts quantized weights in its AMX backend, whose
 # ggml_backend_amx_mul_mat segfaults on the first Q4_1 product on the AMX Xeon kind
 # (ggml-org/llama.cpp#20824, open); built without AMX it keeps its AVX-512 paths. A venv an
-# earlier version of this script built with AMX is built again.
+# earlier version of this script built with AMX, or one whose llama_cpp no longer imports, is
+# built again.
 amx_info='import sys; from llama_cpp import llama_cpp as L; sys.exit("AMX_INT8 = 1" in L.llama_print_system_info().decode())'
 if [ -x "$dir/llamacpp/bin/python" ] && ! "$dir/llamacpp/bin/python" -c "$amx_info"; then
     rm -rf "$dir/llamacpp"
